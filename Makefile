@@ -1,0 +1,33 @@
+# meshrun developer commands. Every target installs what it needs itself.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+# torch is pinned here (the package metadata allows a range): a bare `torch` would pull a
+# multi-GB CUDA build. numpy beside it, or every `import torch` warns.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet torch==2.13.0 numpy
+	$(VPY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(VPY) -m pytest -q tests
+
+demo: install
+	$(VENV)/bin/meshrun --nproc-per-node 2 examples/train_char_lm.py --steps 300 --checkpoint-dir checkpoints/demo
+
+bench: install
+	$(VPY) benchmarks/launch.py
+
+lint: install
+	$(VENV)/bin/ruff check meshrun tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
