@@ -1,0 +1,408 @@
+"""The per-node elastic agent: rendezvous, spawn, monitor, restart, report.
+
+One `Agent` runs on every node (DESIGN.md §2). Its run loop:
+
+1. ``rendezvous.next_round()`` -> this node's rank and the round's membership;
+2. start the local `WorkerGroup` with the torchrun environment contract (§3.1);
+3. every ``monitor_interval``: the group's outcome, and the rendezvous' news;
+   - all workers exited 0 -> exit barrier -> exit 0;
+   - a worker failed -> publish the failure, spend one restart of the job's budget (or end
+     the job), stop the group, go to 1;
+   - the membership changed (a node waits to join, a node was lost) -> stop, go to 1, free;
+   - a handled signal -> forwarded to the workers at once; one grace period; exit 128+N.
+4. on final failure, the job-wide root-cause report, and the root-cause worker's exit code.
+
+Every way down stops the group the same way: SIGTERM, ``--shutdown-timeout`` seconds of grace,
+then SIGKILL to whole process trees. The agent never imports torch itself, except on a thread
+for the workers' bootstrap store (see `meshrun.agent.bootstrap`) and for multi-node stores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from meshrun.agent.bootstrap import BootstrapStore
+from meshrun.agent.errors import WorkerFailure, format_report, root_cause
+from meshrun.agent.reaper import Reaper
+from meshrun.agent.workers import GroupResult, WorkerGroup, WorkerSpec, WorkerState
+from meshrun.rendezvous import (
+    JobFailed,
+    JobFinished,
+    NodeDesc,
+    Rendezvous,
+    RendezvousError,
+    RendezvousInfo,
+    open_store,
+    settings_from_conf,
+)
+from meshrun.rendezvous.c10d import AGENT_ONLY_ENV
+
+if TYPE_CHECKING:  # the agent reads the config; it imports nothing from the launcher
+    from meshrun.launcher.config import LaunchConfig
+
+# The bits of ``launcher.config.Std`` (torchrun's Std): 1 stdout, 2 stderr.
+_STDOUT, _STDERR = 1, 2
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_RENDEZVOUS = 3
+
+
+class ConfigError(ValueError):
+    """A configuration the agent cannot run (exit 2, before anything was started)."""
+
+
+class _Stopped(Exception):
+    """A handled signal arrived while no workers ran (during rendezvous)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def say(message: str) -> None:
+    """One line from the agent itself, on stderr."""
+    print(f"meshrun: {message}", file=sys.stderr, flush=True)
+
+
+class Agent:
+    """Runs this node's share of a job described by a `LaunchConfig`.
+
+    Mirrors torch's ``LocalElasticAgent`` (``torch.distributed.elastic.agent.server``), with
+    the restart budget kept in the rendezvous store and a fresh workers' store per round.
+
+    Raises:
+        ConfigError: at construction, for settings that cannot work (bad ``--rdzv-conf``
+            values, a malformed endpoint); nothing has been started then.
+    """
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.host = socket.gethostname()
+        self.node_id = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        run_id = config.rdzv_id if config.rdzv_id != "none" or config.max_nodes > 1 else ""
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        try:
+            self.settings = settings_from_conf(
+                config.rdzv_conf,
+                run_id=self.run_id,
+                min_nodes=config.min_nodes,
+                max_nodes=config.max_nodes,
+                max_restarts=config.max_restarts,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.endpoint = self._endpoint()
+        self._group: WorkerGroup | None = None
+        self._signal: int | None = None
+        self._in_rendezvous = False
+        self._log_root: Path | None = None
+        self._temp_logs = False
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _endpoint(self) -> str:
+        c = self.config
+        if c.rdzv_backend == "static":
+            return f"{c.master_addr}:{c.master_port or 29500}"
+        return c.rdzv_endpoint
+
+    def _log_dir(self) -> Path:
+        if self._log_root is None:
+            if self.config.log_dir:
+                base = Path(self.config.log_dir) / self.run_id
+            else:
+                base = Path(tempfile.mkdtemp(prefix=f"meshrun_{self.run_id}_"))
+                self._temp_logs = True
+            self._log_root = base / f"{self.host}_{os.getpid()}"
+        return self._log_root
+
+    # -- the run loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job succeeds, fails, or a handled signal stops it; return the exit code.
+
+        Exit codes (DESIGN.md §3.4): 0 success; the root-cause worker's exit status; 3 for a
+        rendezvous or store failure; 128+N when stopped by signal N.
+        """
+        previous = {s: signal.signal(s, self._on_signal) for s in self.config.signals_to_handle}
+        reaper = Reaper()
+        reaper.start()
+        rdzv: Rendezvous | None = None
+        try:
+            self._in_rendezvous = True
+            store, addr = open_store(
+                self.config.rdzv_backend,
+                self.endpoint,
+                self.settings,
+                node_rank=self.config.node_rank,
+            )
+            me = NodeDesc(
+                node_id=self.node_id,
+                addr=self.config.local_addr or addr,
+                nproc=self.config.nproc_per_node,
+                node_rank_hint=self.config.node_rank,
+            )
+            bootstrap = BootstrapStore("127.0.0.1" if self.config.max_nodes == 1 else "")
+            rdzv = Rendezvous(
+                store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
+            )
+            code = self._loop(rdzv, reaper, bootstrap)
+            if code == EXIT_OK and self._temp_logs and self._log_root is not None:
+                shutil.rmtree(self._log_root.parent, ignore_errors=True)
+            return code
+        except _Stopped as e:
+            say(f"stopped by {signal.Signals(e.signum).name} during rendezvous")
+            return 128 + e.signum
+        except RendezvousError as e:
+            say(f"error: rendezvous failed: {e}")
+            return EXIT_RENDEZVOUS
+        finally:
+            if self._group is not None:
+                self._group.stop(self.config.shutdown_timeout)
+            if rdzv is not None:
+                rdzv.close()
+            reaper.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _open(self, bootstrap: BootstrapStore, me: NodeDesc) -> tuple[str, int]:
+        """Start the round's workers' store (on node rank 0); return its address."""
+        bootstrap.close()
+        return me.addr, bootstrap.open()
+
+    def _loop(self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore) -> int:
+        c = self.config
+        while True:
+            self._in_rendezvous = True
+            try:
+                info = rdzv.next_round()
+            except JobFinished:
+                say("the job finished while this node waited as a spare; exiting")
+                return EXIT_OK
+            except JobFailed as e:
+                return self._final_failure(rdzv, e.round, [])
+            self._in_rendezvous = False
+            if self._signal is not None:
+                return 128 + self._signal
+            self._start_group(info, reaper)
+            while True:
+                result = self._group.wait(c.monitor_interval)
+                if self._signal is not None:
+                    return self._stop_by_signal()
+                try:
+                    if result is not None and result.state is WorkerState.SUCCEEDED:
+                        reason = rdzv.exit_barrier(c.monitor_interval)
+                        if reason is None:
+                            self._end_round(bootstrap)
+                            rdzv.leave()
+                            if info.node_rank == 0:
+                                rdzv.wait_for_others_to_leave()
+                            return EXIT_OK
+                    elif result is not None:
+                        reason = self._on_failure(rdzv, info, result)
+                    else:
+                        reason = rdzv.poll()
+                except JobFailed as e:
+                    failures = self._failures_so_far()
+                    self._end_round(bootstrap)
+                    return self._final_failure(rdzv, e.round, failures)
+                if reason is not None:
+                    say(f"restarting the worker group: {reason}")
+                    self._end_round(bootstrap)
+                    break
+
+    def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
+        first = result.failures[0]
+        what = f"rank {first.global_rank} (local rank {first.local_rank}) {first.describe_exit()}"
+        rdzv.publish_failures([self._record(f) for f in result.failures])
+        state, _ = rdzv.read_state()
+        if state.restarts >= self.settings.max_restarts and state.round == info.round:
+            say(
+                f"worker failure: {what}; no restarts left (--max-restarts {self.settings.max_restarts})"
+            )
+        else:
+            say(
+                f"worker failure: {what}; restart {state.restarts + 1} of "
+                f"{self.settings.max_restarts}"
+            )
+        return rdzv.request_restart(f"worker failure on {self.host}: {what}", failure=True)
+
+    def _record(self, failure: WorkerFailure) -> dict:
+        info = self._group_info
+        return json.loads(replace(failure, host=self.host, node_rank=info.node_rank).to_json())
+
+    def _failures_so_far(self) -> list[WorkerFailure]:
+        if self._group is None:
+            return []
+        result = self._group.wait(0)
+        return result.failures if result is not None and result.is_failed else []
+
+    def _final_failure(self, rdzv: Rendezvous, round: int, local: list[WorkerFailure]) -> int:
+        """Print the job-wide root-cause report; return the root-cause worker's exit status."""
+        records: list[dict] = []
+        if rdzv.info is not None and rdzv.info.round == round:
+            if local:
+                try:
+                    rdzv.publish_failures([self._record(f) for f in local])
+                except RendezvousError:
+                    pass
+            try:
+                records = rdzv.collect_failures(round)
+            except RendezvousError:
+                records = [self._record(f) for f in local]
+        failures = [WorkerFailure.from_json(json.dumps(r)) for r in records]
+        if not failures:
+            say("error: the job failed on another node, which published no failure record")
+            return 1
+        print(format_report(failures), file=sys.stderr, flush=True)
+        try:
+            rdzv.leave()
+        except RendezvousError:
+            pass
+        return root_cause(failures).exit_status
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _start_group(self, info: RendezvousInfo, reaper: Reaper) -> None:
+        c = self.config
+        attempt_dir = self._log_dir() / f"attempt_{info.round}"
+        if info.round == 0 or not hasattr(self, "_announced"):
+            self._announced = True
+            say(
+                f"round {info.round}: node rank {info.node_rank} of {info.num_nodes}, "
+                f"ranks {info.rank_offset}..{info.rank_offset + info.local_world_size - 1} of "
+                f"world size {info.world_size}; logs in {self._log_dir()}"
+            )
+        else:
+            say(
+                f"round {info.round}: node rank {info.node_rank} of {info.num_nodes}, "
+                f"world size {info.world_size}, restart count {info.restart_count}"
+            )
+        specs = [
+            self._spec(info, local_rank, attempt_dir) for local_rank in range(c.nproc_per_node)
+        ]
+        self._group_info = info
+        self._group = WorkerGroup(
+            specs,
+            reaper,
+            duplicate_stdout_filters=c.duplicate_stdout_filters,
+            duplicate_stderr_filters=c.duplicate_stderr_filters,
+            filtered_dir=attempt_dir,
+        )
+        self._group.start()
+
+    def _spec(self, info: RendezvousInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
+        c = self.config
+        rank = info.rank_offset + local_rank
+        log_dir = attempt_dir / str(local_rank)
+        env = worker_env(c, info, local_rank, error_file=log_dir / "error.json")
+        args = tuple(a.replace("${local_rank}", str(local_rank)) for a in c.args)
+        shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
+        redirect, tee = c.redirects.for_rank(local_rank), c.tee.for_rank(local_rank)
+        prefix = ""
+        if tee:
+            if c.log_line_prefix_template:
+                prefix = _template_prefix(c.log_line_prefix_template, c.role, rank, local_rank)
+            else:
+                prefix = f"[{self.host}:{rank}]: "
+        return WorkerSpec(
+            local_rank=local_rank,
+            global_rank=rank,
+            argv=(*c.entrypoint, *args),
+            env=env,
+            log_dir=log_dir,
+            console_out=shown and (not (redirect & _STDOUT) or bool(tee & _STDOUT)),
+            console_err=shown and (not (redirect & _STDERR) or bool(tee & _STDERR)),
+            prefix=prefix,
+            host=self.host,
+            node_rank=info.node_rank,
+        )
+
+    def _end_round(self, bootstrap: BootstrapStore) -> None:
+        if self._group is not None:
+            self._group.stop(self.config.shutdown_timeout)
+            self._group = None
+        bootstrap.close()
+
+    # -- signals -------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame) -> None:
+        first = self._signal is None
+        self._signal = signum
+        group = self._group
+        if group is not None:
+            group.signal(signum)  # forwarded at once; the run loop stops the group next tick
+        elif (
+            self._in_rendezvous and first and threading.current_thread() is threading.main_thread()
+        ):
+            raise _Stopped(signum)
+
+    def _stop_by_signal(self) -> int:
+        name = signal.Signals(self._signal).name
+        say(
+            f"received {name}: forwarded to the workers; stopping them "
+            f"(grace {self.config.shutdown_timeout:g} s)"
+        )
+        self._group.stop(self.config.shutdown_timeout)
+        self._group = None
+        return 128 + self._signal
+
+
+def worker_env(
+    config: LaunchConfig, info: RendezvousInfo, local_rank: int, *, error_file: Path
+) -> dict[str, str]:
+    """The environment of one worker: the agent's own, plus torchrun's contract (DESIGN §3.1).
+
+    Names and meanings are torchrun's (``LocalElasticAgent._start_workers``), so
+    ``torch.distributed.is_torchelastic_launched()`` is true and ``init_process_group("env://")``
+    connects to this round's bootstrap store as a client.
+    """
+    rank = info.rank_offset + local_rank
+    env = dict(os.environ)
+    for name, original in AGENT_ONLY_ENV.items():  # what the agent set for itself only
+        if original is None:
+            env.pop(name, None)
+        else:
+            env[name] = original
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(info.world_size),
+        LOCAL_WORLD_SIZE=str(info.local_world_size),
+        GROUP_RANK=str(info.node_rank),
+        GROUP_WORLD_SIZE=str(info.num_nodes),
+        ROLE_NAME=config.role,
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(info.world_size),
+        MASTER_ADDR=info.master_addr,
+        MASTER_PORT=str(info.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(info.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=info.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        MESHRUN_ROUND=str(info.round),
+    )
+    if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if config.virtual_local_rank:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(config.nproc_per_node)]
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
+    return env
+
+
+def _template_prefix(template: str, role: str, rank: int, local_rank: int) -> str:
+    from string import Template
+
+    return Template(template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)

@@ -1,0 +1,242 @@
+"""Worker failures: the record the agent keeps for each failed worker, and the report.
+
+A failed worker is described by a :class:`WorkerFailure`. Its ``message`` and ``traceback``
+come from the error file that torch's ``@record`` decorator writes (the path in the worker's
+``TORCHELASTIC_ERROR_FILE``); when the script did not use ``@record`` (or died by a signal before
+it could write one), the traceback is the tail of the worker's stderr that the agent kept in
+memory. So a user always sees *something* useful, never torch's ``error_file: <N/A>``.
+
+"Which failure came first" uses the time at which the agent observed each exit, in
+milliseconds on the agent's own clock (``time.time()``), ties broken by global rank. Across
+nodes this assumes NTP-synced hosts (DESIGN §3.3). This mirrors torch's
+``ChildFailedError.get_first_failure`` (which uses the worker-written timestamp, in seconds,
+and so cannot rank workers killed by a signal).
+
+Failures travel between nodes as JSON (:meth:`WorkerFailure.to_json`), so the agent that
+reports can include the failures of other nodes read from the rendezvous store.
+
+This module imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["WorkerFailure", "format_report", "read_error_file", "root_cause"]
+
+# Hints for the signals users most often meet; shown after the signal name in the report.
+_SIGNAL_HINTS = {
+    "SIGKILL": "often the kernel OOM killer, or a kill -9 from outside",
+    "SIGSEGV": "a crash in native code (a C/C++/CUDA extension)",
+    "SIGABRT": "abort() in native code, e.g. a failed assertion or an NCCL/c10 error",
+    "SIGBUS": "a bad memory access, e.g. /dev/shm too small for shared memory",
+}
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker that exited non-zero or was killed by a signal.
+
+    Mirrors torch's ``ProcessFailure`` (``torch.distributed.elastic.multiprocessing.errors``),
+    with the observed time in milliseconds and the stderr tail as a fallback traceback.
+
+    Attributes:
+        local_rank, global_rank: the worker's ``LOCAL_RANK`` and ``RANK``.
+        pid: the worker's process id.
+        exitcode: as ``subprocess.Popen.returncode``: > 0 the exit status, < 0 minus the signal.
+        timestamp_ms: when the agent observed the exit, ms since the epoch (agent's clock).
+        host, node_rank: where the worker ran.
+        message: the error message from the error file, or "" when there was none.
+        traceback: the error file's ``py_callstack``, else the last lines of stderr.
+        stdout_path, stderr_path: the worker's log files.
+    """
+
+    local_rank: int
+    global_rank: int
+    pid: int
+    exitcode: int
+    timestamp_ms: int
+    host: str = ""
+    node_rank: int = 0
+    message: str = ""
+    traceback: str = ""
+    stdout_path: str = ""
+    stderr_path: str = ""
+    #: "error.json" when message/traceback came from torch's error file, "stderr" when the
+    #: traceback is the stderr tail, "" when there was neither.
+    source: str = ""
+
+    @property
+    def signal_name(self) -> str | None:
+        """The name of the signal that killed the worker ("SIGKILL"), or None for an exit."""
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    @property
+    def exit_status(self) -> int:
+        """What a shell (and the launcher) reports for this failure: the exit code, or
+        128+N for a death by signal N (137 for SIGKILL)."""
+        return self.exitcode if self.exitcode >= 0 else 128 - self.exitcode
+
+    def describe_exit(self) -> str:
+        """Say how it ended: "exit code 7" or "signal SIGKILL (exit status 137)"."""
+        if self.exitcode >= 0:
+            return f"exit code {self.exitcode}"
+        return f"signal {self.signal_name} (exit status {self.exit_status})"
+
+    def to_json(self) -> str:
+        """Serialize to a JSON object (a str), for the rendezvous store."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> WorkerFailure:
+        """Parse what :meth:`to_json` wrote. Unknown keys (a newer agent) are ignored.
+
+        Raises:
+            ValueError: ``data`` is not a JSON object with the required fields.
+        """
+        try:
+            obj = json.loads(data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"WorkerFailure.from_json: not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"WorkerFailure.from_json: expected a JSON object, got {obj!r:.80}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in obj.items() if k in names})
+        except TypeError as e:
+            raise ValueError(f"WorkerFailure.from_json: {e}") from None
+
+
+def read_error_file(path: str | os.PathLike | None) -> tuple[str, str, int | None] | None:
+    """Read the error file written by torch's ``@record`` (``ErrorHandler.record_exception``).
+
+    The format is ``{"message": {"message": MSG, "extraInfo": {"py_callstack": TB,
+    "timestamp": "SECONDS"}}}``; a plain ``{"message": "MSG"}`` (what some launchers and
+    ``ErrorHandler.dump_error_file`` users write) is accepted too.
+
+    Returns:
+        ``(message, traceback, timestamp_s)`` (traceback "" and timestamp None when absent), or
+        None when ``path`` is None, missing, unreadable or not in either format. Never raises.
+    """
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "message" not in data:
+        return None
+    msg = data["message"]
+    if isinstance(msg, str):
+        return msg, "", _int_or_none(data.get("timestamp"))
+    if not isinstance(msg, dict):
+        return None
+    extra = msg.get("extraInfo")
+    extra = extra if isinstance(extra, dict) else {}
+    text = msg.get("message", "")
+    tb = extra.get("py_callstack", "")
+    return (
+        text if isinstance(text, str) else str(text),
+        tb if isinstance(tb, str) else str(tb),
+        _int_or_none(extra.get("timestamp")),
+    )
+
+
+def root_cause(failures: Iterable[WorkerFailure]) -> WorkerFailure:
+    """The first failure: earliest ``timestamp_ms``, ties broken by the lower global rank.
+
+    Raises:
+        ValueError: ``failures`` is empty.
+    """
+    ordered = sorted(failures, key=_order)
+    if not ordered:
+        raise ValueError("root_cause: no failures given")
+    return ordered[0]
+
+
+def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: job failed") -> str:
+    """Render the failure report: the root cause in full, then one line per other failure.
+
+    The root cause shows where it ran (host, node rank, local and global rank, pid), how it
+    ended ("exit code 7" / "signal SIGKILL (exit status 137)"), when (local time, ms), the
+    message and traceback (from error.json, else the kept stderr tail) and the log paths.
+    The role is that of torch's ``ChildFailedError.format_msg``, without its ``<N/A>`` fields.
+
+    Raises:
+        ValueError: ``failures`` is empty.
+    """
+    ordered = sorted(failures, key=_order)
+    if not ordered:
+        raise ValueError("format_report: no failures given")
+    first = ordered[0]
+    rule = "=" * 72
+    lines = [rule, title, rule, "Root cause (first observed failure):"]
+    lines.append(f"  rank       : {first.global_rank} (local rank {first.local_rank})")
+    lines.append(f"  host       : {first.host or '?'} (node rank {first.node_rank})")
+    lines.append(f"  pid        : {first.pid}")
+    exit_text = first.describe_exit()
+    hint = _SIGNAL_HINTS.get(first.signal_name or "")
+    lines.append(f"  exit       : {exit_text}" + (f" - {hint}" if hint else ""))
+    lines.append(f"  time       : {_format_time(first.timestamp_ms)}")
+    if first.message:
+        lines.append(f"  message    : {first.message}")
+    if first.traceback:
+        what = "traceback (error.json)" if first.source == "error.json" else "stderr (last lines)"
+        if not first.source:
+            what = "traceback"
+        lines.append(f"  {what}:")
+        lines.extend("    " + line for line in first.traceback.rstrip("\n").splitlines())
+    else:
+        lines.append(
+            "  traceback  : none (no error file: decorate main with torch's "
+            "@record to get one; stderr was empty)"
+        )
+    if first.stdout_path or first.stderr_path:
+        lines.append(f"  logs       : {first.stderr_path or '-'} (stderr)")
+        lines.append(f"               {first.stdout_path or '-'} (stdout)")
+    others = ordered[1:]
+    if others:
+        lines.append(f"Other failures ({len(others)}), in order observed:")
+        for f in others:
+            delta = f.timestamp_ms - first.timestamp_ms
+            where = f"host {f.host or '?'}, node rank {f.node_rank}, local rank {f.local_rank}"
+            log = f", stderr: {f.stderr_path}" if f.stderr_path else ""
+            lines.append(
+                f"  rank {f.global_rank} ({where}, pid {f.pid}): {f.describe_exit()}"
+                f" at +{delta} ms{log}"
+            )
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _order(f: WorkerFailure) -> tuple[int, int]:
+    return (f.timestamp_ms, f.global_rank)
+
+
+def _format_time(ms: int) -> str:
+    """Local time with milliseconds and the UTC offset: 2025-11-29 14:12:03.123 +0000."""
+    seconds, millis = divmod(int(ms), 1000)
+    t = time.localtime(seconds)
+    return time.strftime("%Y-%m-%d %H:%M:%S", t) + f".{millis:03d} " + time.strftime("%z", t)
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,278 @@
+"""The reaper: a tiny process per node that kills the workers if the agent dies.
+
+Why a separate process
+    Every worker runs in its own session and process group (``start_new_session=True``), so a
+    Ctrl-C or a group kill aimed at the agent does not reach the workers directly; the agent
+    forwards signals itself. If the agent dies without doing so (kill -9, an OOM kill, a crash
+    in native code) the workers would be orphans holding GPUs and ports. ``PR_SET_PDEATHSIG``
+    does not close that hole (DESIGN §3.5): it covers only the direct child, it fires when the
+    *thread* that forked the child exits rather than the process, and setting it needs a
+    ``preexec_fn``, which is unsafe in a threaded agent. So cleanup does not rest on it.
+
+How it works
+    ``Reaper.start()`` spawns ``python -I -S reaper.py`` (stdlib only, no site, no meshrun
+    import: it starts in a few ms) in its own session, with the read end of a pipe as its stdin.
+    Only the agent holds the write end: ``os.pipe()`` descriptors are close-on-exec and
+    ``subprocess`` closes other descriptors, so workers never inherit it. The agent writes one
+    line per event::
+
+        watch <pgid>     a worker's process group to kill if the agent dies
+        forget <pgid>    that group was stopped and reaped by the agent
+        close            clean shutdown: exit without killing anything
+
+    The kernel closes the write end whenever the agent process dies, however it dies, so the
+    reaper reads EOF. On EOF without ``close`` it sends SIGKILL to every still-watched process
+    group, and also to every descendant of those groups' members that moved to another group
+    or session (found in ``/proc`` before anything is killed, because a killed parent's
+    children are re-parented and can no longer be traced), then exits. The reaper ignores
+    SIGINT, SIGTERM and SIGHUP and lives in its own session, so terminal signals and a kill
+    of the agent's process group do not take it out before its job is done. It exits when the
+    agent closes the pipe either way, so it never outlives the agent.
+
+Limits
+    A worker started between ``Popen`` returning and ``watch`` being written is not covered if
+    the agent dies in that window (microseconds). If the agent ``os.fork()``s without exec
+    (e.g. multiprocessing's "fork" start method), the forked child holds the write end and the
+    reaper sees EOF only when both are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+if __name__ != "__main__":
+    # The agent side. The reaper process itself (run as a script) needs none of these, and
+    # skipping them halves its start-up time.
+    import logging
+    import select
+    import subprocess
+    import threading
+
+    log = logging.getLogger(__name__)
+
+__all__ = ["Reaper", "scan_processes"]
+
+
+class Reaper:
+    """Kills watched worker process groups with SIGKILL when the agent process dies.
+
+    Usage::
+
+        reaper = Reaper()
+        reaper.start()            # before the first worker is spawned
+        reaper.watch(pgid)        # after spawning each worker (WorkerGroup does this)
+        reaper.forget(pgid)       # after stopping it (WorkerGroup.stop does this)
+        reaper.close()            # on a clean agent exit: the reaper exits, killing nothing
+
+    Methods are thread-safe. ``watch``/``forget`` after the reaper died (it should not; it is
+    SIGKILL-only) log a warning and do nothing. There is no torch equivalent: torchrun stops
+    its workers from its signal handlers, so a torchrun killed with SIGKILL leaks them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._wfd: int | None = None
+        self._warned = False
+
+    @property
+    def pid(self) -> int | None:
+        """The reaper process's pid, or None before ``start()``."""
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Spawn the reaper process and wait until it is ready (signals ignored). Idempotent.
+
+        Args:
+            timeout: seconds to wait for the reaper's "ready" line (it takes ~20 ms).
+
+        Raises:
+            OSError: the process could not be spawned.
+            RuntimeError: it did not report ready within ``timeout`` (it is killed).
+        """
+        with self._lock:
+            if self._proc is not None:
+                return
+            rfd, wfd = os.pipe()
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", os.path.abspath(__file__)],
+                    stdin=rfd,
+                    stdout=subprocess.PIPE,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except BaseException:
+                os.close(wfd)
+                raise
+            finally:
+                os.close(rfd)
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else b""
+            proc.stdout.close()
+            if line != b"ready\n":
+                os.close(wfd)
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(
+                    f"Reaper: the reaper process did not start within {timeout} s "
+                    f"(got {line!r}, exit code {proc.returncode})"
+                )
+            self._proc, self._wfd = proc, wfd
+
+    def watch(self, pgid: int) -> None:
+        """Ask the reaper to SIGKILL process group ``pgid`` if the agent dies."""
+        self._send(f"watch {int(pgid)}\n")
+
+    def forget(self, pgid: int) -> None:
+        """Tell the reaper that process group ``pgid`` is gone (stopped by the agent)."""
+        self._send(f"forget {int(pgid)}\n")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the reaper without killing anything, and reap it. Idempotent.
+
+        Args:
+            timeout: seconds to wait for the reaper to exit before SIGKILLing it.
+        """
+        with self._lock:
+            if self._wfd is not None:
+                try:
+                    os.write(self._wfd, b"close\n")
+                except OSError:
+                    pass
+                os.close(self._wfd)
+                self._wfd = None
+            proc = self._proc
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Reaper:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._wfd is None:
+                raise RuntimeError(
+                    "Reaper: call start() before watch()/forget() (or it was closed)"
+                )
+            try:
+                # Lines are far below PIPE_BUF, so each write is atomic.
+                os.write(self._wfd, line.encode())
+            except OSError as e:
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "reaper process is gone (%s); workers are not protected "
+                        "against the agent's death",
+                        e,
+                    )
+
+
+# --- the reaper process itself (stdlib only; runs as `python -I -S reaper.py`) -----------------
+
+
+def _main() -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    # Tell the agent that the signals are ignored; then stdout is not used again.
+    os.write(1, b"ready\n")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    watched: set[int] = set()
+    buf = b""
+    while True:
+        try:
+            chunk = os.read(0, 4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            cmd, _, arg = line.decode("ascii", "replace").partition(" ")
+            if cmd == "close":
+                return 0
+            try:
+                pgid = int(arg)
+            except ValueError:
+                continue
+            if cmd == "watch" and pgid > 1:
+                watched.add(pgid)
+            elif cmd == "forget":
+                watched.discard(pgid)
+    # EOF without "close": the agent died. Kill twice, in case something forked meanwhile.
+    for _ in range(2):
+        _kill_groups(watched)
+    return 0
+
+
+def _kill_groups(pgids: set[int]) -> None:
+    """SIGKILL the groups ``pgids`` and every descendant of their members."""
+    if not pgids:
+        return
+    procs = scan_processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    targets = [pid for pid, (_, pgid, _) in procs.items() if pgid in pgids]
+    seen: set[int] = set()
+    while targets:
+        pid = targets.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        targets.extend(children.get(pid, ()))
+    me = os.getpid()
+    for pgid in pgids:
+        _quiet(os.killpg, pgid, signal.SIGKILL)
+    for pid in seen - {me, 1}:
+        _quiet(os.kill, pid, signal.SIGKILL)
+
+
+def scan_processes() -> dict[int, tuple[int, int, str]]:
+    """Every process on the machine from ``/proc``: ``{pid: (ppid, pgid, state)}``, where state
+    is the one-letter code of ``/proc/PID/stat`` ("Z" for a zombie). Stdlib only, so the reaper
+    process can use it without importing psutil."""
+    out: dict[int, tuple[int, int, str]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command name (which may contain spaces and parentheses).
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        try:
+            out[int(name)] = (int(fields[1]), int(fields[2]), fields[0].decode())
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def _quiet(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,478 @@
+"""One node's worker processes: spawn, watch, signal and stop them.
+
+A :class:`WorkerGroup` owns the local workers of one rendezvous round (torch's
+``SubprocessContext`` plus the parts of ``LocalElasticAgent`` that start and stop it).
+
+- Each worker runs in its own session and process group (``Popen(start_new_session=True)``;
+  no ``preexec_fn``, which is unsafe in a threaded agent), so it can be signalled as a whole
+  tree with ``killpg`` and terminal signals aimed at the agent do not reach it directly. The
+  group id is registered with the :class:`~meshrun.agent.reaper.Reaper`, which kills it if
+  the agent dies.
+- One waiter thread per worker blocks in ``Popen.wait()`` and records the time it observed the
+  exit; :meth:`WorkerGroup.wait` sleeps on a condition that those threads notify, so it returns
+  as soon as the outcome is decided (no polling: restart latency matters).
+- stdout and stderr are pipes forwarded by :mod:`meshrun.agent.logs`.
+- :meth:`WorkerGroup.stop` is the one way down on every path: SIGTERM to every group (and to
+  descendants that left it), one grace period for all, then SIGKILL to whatever is left,
+  reap, drain the pipes, close the files.
+
+This module imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal as _signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import psutil
+
+from meshrun.agent.errors import WorkerFailure, read_error_file
+from meshrun.agent.logs import FilteredSink, PipeForwarder, StderrTail
+from meshrun.agent.reaper import Reaper, scan_processes
+
+__all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState"]
+
+# After a worker exited and its group was killed, how long its pipes may stay open (held by a
+# descendant that escaped) before the forwarders stop waiting for EOF.
+_DRAIN_TIMEOUT_S = 1.0
+# How long wait() gives a failed worker's stderr forwarder to reach EOF, so the report has the
+# last lines. Normally EOF arrives within milliseconds of the exit.
+_TAIL_SETTLE_S = 0.5
+# Poll interval while waiting for processes that are not our children (descendants, group
+# members left after the leader exited): they give no event to wait on.
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one worker process.
+
+    Attributes:
+        local_rank, global_rank: ``LOCAL_RANK`` and ``RANK`` (for logs and reports; the agent
+            has already put them in ``env``).
+        argv: the full, final command line (e.g. ``(sys.executable, "-u", "train.py", ...)``).
+        env: the child's complete environment, including ``TORCHELASTIC_ERROR_FILE``.
+        log_dir: this worker's directory (created if missing): ``stdout.log`` and
+            ``stderr.log`` are written there.
+        console_out, console_err: copy stdout / stderr to the agent's stdout / stderr.
+        prefix: inserted at the start of every console line ("" = none), e.g. "[host:3]: ".
+        cwd: the working directory, or None for the agent's.
+        host, node_rank: where this runs, for failure reports (host "" = this machine's name).
+    """
+
+    local_rank: int
+    global_rank: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    log_dir: Path
+    console_out: bool
+    console_err: bool
+    prefix: str = ""
+    cwd: str | None = None
+    host: str = ""
+    node_rank: int = 0
+
+    @property
+    def error_file(self) -> str | None:
+        """The path torch's ``@record`` writes to (``TORCHELASTIC_ERROR_FILE``), or None."""
+        return self.env.get("TORCHELASTIC_ERROR_FILE") or None
+
+
+class WorkerState(enum.Enum):
+    """The decided outcome of a group (the two final values of torch's ``WorkerState``)."""
+
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+@dataclass
+class GroupResult:
+    """The outcome of a :class:`WorkerGroup` (torch's ``RunResult``).
+
+    Attributes:
+        state: SUCCEEDED when every worker exited 0; FAILED as soon as one did not.
+        failures: the workers that failed so far, sorted by observed exit time, then global
+            rank (so ``failures[0]`` is the local root cause).
+    """
+
+    state: WorkerState
+    failures: list[WorkerFailure] = field(default_factory=list)
+
+    @property
+    def is_failed(self) -> bool:
+        return self.state is WorkerState.FAILED
+
+
+class WorkerGroup:
+    """The worker processes of one node for one round.
+
+    Args:
+        specs: one :class:`WorkerSpec` per local worker.
+        reaper: a started :class:`Reaper` to register each worker's process group with, or
+            None (then a killed agent leaves its workers running).
+        duplicate_stdout_filters, duplicate_stderr_filters: torchrun's duplicate filters (see
+            :mod:`meshrun.agent.logs`): console lines containing any of the strings are also
+            written to ``filtered_dir/filtered_stdout.log`` / ``filtered_stderr.log``.
+        filtered_dir: where those files go; required when a filter list is non-empty.
+        console_stdout, console_stderr: the binary streams console copies go to (default: the
+            agent's ``sys.stdout.buffer`` / ``sys.stderr.buffer`` at the time of each write).
+
+    Raises:
+        ValueError: filters without ``filtered_dir``, or duplicate global ranks.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        reaper: Reaper | None,
+        *,
+        duplicate_stdout_filters: Sequence[str] = (),
+        duplicate_stderr_filters: Sequence[str] = (),
+        filtered_dir: Path | None = None,
+        console_stdout: BinaryIO | None = None,
+        console_stderr: BinaryIO | None = None,
+    ) -> None:
+        if (duplicate_stdout_filters or duplicate_stderr_filters) and filtered_dir is None:
+            raise ValueError(
+                "WorkerGroup: duplicate_stdout_filters/duplicate_stderr_filters need "
+                "filtered_dir (where filtered_stdout.log and filtered_stderr.log go)"
+            )
+        ranks = [s.global_rank for s in specs]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"WorkerGroup: duplicate global ranks in specs: {sorted(ranks)}")
+        self.specs = list(specs)
+        self._reaper = reaper
+        self._stdout_filters = list(duplicate_stdout_filters)
+        self._stderr_filters = list(duplicate_stderr_filters)
+        self._filtered_dir = Path(filtered_dir) if filtered_dir is not None else None
+        self._console_stdout = console_stdout
+        self._console_stderr = console_stderr
+        self._host = socket.gethostname()
+
+        self._cond = threading.Condition()
+        self._workers: list[_Worker] = []
+        self._sinks: list[FilteredSink] = []
+        self._started = False
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+
+    # --- public API ---------------------------------------------------------------------------
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' pids in spec order (also their process group ids); [] before start."""
+        return [w.proc.pid for w in self._workers]
+
+    def start(self) -> None:
+        """Spawn every worker, each in its own session, and start forwarding their output.
+
+        Removes a stale error file left at a worker's ``TORCHELASTIC_ERROR_FILE`` path, so a
+        report never shows an old error. If one spawn fails, the workers already started are
+        stopped and the error is raised.
+
+        Raises:
+            RuntimeError: called twice.
+            OSError: a worker could not be spawned (e.g. ``argv[0]`` not found).
+        """
+        if self._started:
+            raise RuntimeError("WorkerGroup.start() called twice; make a new group per round")
+        self._started = True
+        out_filter = self._open_sink("filtered_stdout.log", self._stdout_filters)
+        err_filter = self._open_sink("filtered_stderr.log", self._stderr_filters)
+        try:
+            for spec in self.specs:
+                self._workers.append(self._spawn(spec, out_filter, err_filter))
+        except BaseException:
+            self.stop(grace=0)
+            raise
+
+    def wait(self, timeout: float) -> GroupResult | None:
+        """Block up to ``timeout`` seconds for the group's outcome.
+
+        Returns FAILED as soon as any worker exited non-zero or was killed by a signal (the
+        others may still run: call :meth:`stop`), SUCCEEDED once all exited 0, and None if
+        still undecided after ``timeout``. Wakes on the exit itself, not on a poll tick.
+
+        Raises:
+            RuntimeError: called before :meth:`start`.
+        """
+        if not self._started:
+            raise RuntimeError("WorkerGroup.wait() called before start()")
+        with self._cond:
+            self._cond.wait_for(self._decided, timeout=max(0.0, timeout))
+            failed = [w for w in self._workers if w.exitcode not in (None, 0)]
+            succeeded = bool(self._workers) and all(w.exitcode == 0 for w in self._workers)
+        if failed:
+            # Give the failed workers' stderr a moment to reach EOF, so the tail is complete.
+            deadline = time.monotonic() + _TAIL_SETTLE_S
+            for w in failed:
+                w.stderr.join(max(0.0, deadline - time.monotonic()))
+            failures = sorted(
+                (w.failure() for w in failed), key=lambda f: (f.timestamp_ms, f.global_rank)
+            )
+            return GroupResult(WorkerState.FAILED, failures)
+        if succeeded:
+            return GroupResult(WorkerState.SUCCEEDED)
+        return None
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the process group of every worker that has not exited."""
+        for w in self._workers:
+            if w.exitcode is None:
+                _quiet_killpg(w.proc.pid, signum)
+
+    def stop(self, grace: float) -> None:
+        """Stop all workers: SIGTERM, up to ``grace`` seconds, then SIGKILL; reap; drain.
+
+        SIGTERM goes to every worker's process group and to descendants that left it (setsid,
+        setpgid), found with psutil before signalling. After ``grace`` seconds in total (or as
+        soon as everything is gone) whatever is left gets SIGKILL, whole trees. Then the
+        workers are reaped, the output forwarders finish (waiting at most ~1 s for EOF if an
+        escaped descendant still holds a pipe), files are closed and the process groups are
+        forgotten by the reaper. Idempotent; safe to call after the group finished, and after a
+        failed :meth:`start`. Mirrors torch's ``PContext.close(death_sig, timeout)``.
+        """
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            deadline = time.monotonic() + max(0.0, grace)
+
+            # 1. SIGTERM: every group, and descendants found now (before parents die and their
+            #    children are re-parented out of reach).
+            escaped = self._descendants()
+            for w in self._workers:
+                _quiet_killpg(w.proc.pid, _signal.SIGTERM)
+            for p in escaped:
+                _quiet_signal(p, _signal.SIGTERM)
+
+            # 2. Up to `grace` for all: workers (event-driven), then the rest (polled).
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: all(w.exitcode is not None for w in self._workers),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+            while time.monotonic() < deadline and self._anything_left(escaped):
+                time.sleep(_POLL_S)
+
+            # 3. SIGKILL what is left, whole trees (including anything forked meanwhile).
+            escaped = escaped + self._descendants()
+            for w in self._workers:
+                _quiet_killpg(w.proc.pid, _signal.SIGKILL)
+            for p in escaped:
+                _quiet_signal(p, _signal.SIGKILL)
+
+            # 4. Reap, drain, close.
+            for w in self._workers:
+                w.waiter.join(5.0)  # SIGKILLed: exits at once, barring uninterruptible sleep
+            drain_deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+            forwarders = [f for w in self._workers for f in (w.stdout, w.stderr)]
+            for f in forwarders:
+                f.join(max(0.0, drain_deadline - time.monotonic()))
+            for f in forwarders:
+                f.stop(timeout=1.0)
+            for sink in self._sinks:
+                sink.close()
+            if self._reaper is not None:
+                for w in self._workers:
+                    self._reaper.forget(w.proc.pid)
+
+    def __enter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=5.0)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _decided(self) -> bool:
+        codes = [w.exitcode for w in self._workers]
+        return any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes)
+
+    def _open_sink(self, name: str, filters: list[str]) -> FilteredSink | None:
+        if not filters:
+            return None
+        assert self._filtered_dir is not None
+        self._filtered_dir.mkdir(parents=True, exist_ok=True)
+        sink = FilteredSink(self._filtered_dir / name, filters)
+        self._sinks.append(sink)
+        return sink
+
+    def _spawn(
+        self, spec: WorkerSpec, out_filter: FilteredSink | None, err_filter: FilteredSink | None
+    ) -> _Worker:
+        log_dir = Path(spec.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if spec.error_file:
+            try:
+                os.unlink(spec.error_file)
+            except FileNotFoundError:
+                pass
+        out_fd, out_w = os.pipe()
+        err_fd, err_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                list(spec.argv),
+                env=dict(spec.env),
+                cwd=spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            os.close(out_fd)
+            os.close(err_fd)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if self._reaper is not None:
+            self._reaper.watch(proc.pid)  # pgid == pid: the worker leads its own session
+        prefix = spec.prefix
+        tail = StderrTail()
+        name = f"meshrun-rank{spec.global_rank}"
+        stdout = PipeForwarder(
+            out_fd,
+            log_dir / "stdout.log",
+            console=self._console(self._console_stdout, "stdout") if spec.console_out else None,
+            prefix=prefix,
+            filtered=out_filter.line_filter(prefix.encode())
+            if out_filter and spec.console_out
+            else None,
+            name=f"{name}-stdout",
+        )
+        stderr = PipeForwarder(
+            err_fd,
+            log_dir / "stderr.log",
+            console=self._console(self._console_stderr, "stderr") if spec.console_err else None,
+            prefix=prefix,
+            tail=tail,
+            filtered=err_filter.line_filter(prefix.encode())
+            if err_filter and spec.console_err
+            else None,
+            name=f"{name}-stderr",
+        )
+        worker = _Worker(spec, proc, stdout, stderr, tail, host=spec.host or self._host)
+        stdout.start()
+        stderr.start()
+        worker.waiter = threading.Thread(
+            target=self._wait_one, args=(worker,), name=f"{name}-waiter", daemon=True
+        )
+        worker.waiter.start()
+        return worker
+
+    def _wait_one(self, worker: _Worker) -> None:
+        code = worker.proc.wait()
+        ms = int(time.time() * 1000)
+        with self._cond:
+            worker.exitcode = code
+            worker.exit_ms = ms
+            self._cond.notify_all()
+
+    @staticmethod
+    def _console(stream: BinaryIO | None, name: str):
+        if stream is not None:
+            return lambda: stream
+        # Resolved at each write, so a replaced sys.stdout (pytest, a logging redirect) is used.
+        return lambda: getattr(sys, name).buffer
+
+    def _descendants(self) -> list[psutil.Process]:
+        """Live descendants of live workers, wherever their process group is."""
+        found: list[psutil.Process] = []
+        for w in self._workers:
+            if w.exitcode is not None:
+                continue
+            try:
+                found.extend(psutil.Process(w.proc.pid).children(recursive=True))
+            except psutil.Error:
+                continue
+        return found
+
+    def _anything_left(self, escaped: list[psutil.Process]) -> bool:
+        if any(w.exitcode is None for w in self._workers):
+            return True
+        # Members left in a worker's group after it exited. Zombies do not count: an init that
+        # does not reap (PID 1 in many containers) would otherwise hold us for the whole grace.
+        pgids = {w.proc.pid for w in self._workers}
+        if any(pg in pgids and st != "Z" for _, pg, st in scan_processes().values()):
+            return True
+        for p in escaped:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+
+class _Worker:
+    """The agent-side state of one worker process."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        proc: subprocess.Popen,
+        stdout: PipeForwarder,
+        stderr: PipeForwarder,
+        tail: StderrTail,
+        host: str,
+    ) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.stdout = stdout
+        self.stderr = stderr
+        self.tail = tail
+        self.host = host
+        self.waiter: threading.Thread | None = None
+        self.exitcode: int | None = None  # set by the waiter thread, under the group's lock
+        self.exit_ms: int = 0
+
+    def failure(self) -> WorkerFailure:
+        spec = self.spec
+        record = read_error_file(spec.error_file)
+        if record is not None and record[1]:
+            message, traceback, source = record[0], record[1], "error.json"
+        else:
+            message, traceback = (record[0] if record else ""), self.tail.text()
+            source = "stderr" if traceback else ""
+        return WorkerFailure(
+            local_rank=spec.local_rank,
+            global_rank=spec.global_rank,
+            pid=self.proc.pid,
+            exitcode=int(self.exitcode if self.exitcode is not None else 0),
+            timestamp_ms=self.exit_ms,
+            host=self.host,
+            node_rank=spec.node_rank,
+            message=message,
+            traceback=traceback,
+            stdout_path=str(Path(spec.log_dir) / "stdout.log"),
+            stderr_path=str(Path(spec.log_dir) / "stderr.log"),
+            source=source,
+        )
+
+
+def _quiet_killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except OSError:  # gone (ESRCH) or not ours (EPERM)
+        pass
+
+
+def _quiet_signal(proc: psutil.Process, signum: int) -> None:
+    try:
+        proc.send_signal(signum)  # checks the pid was not reused
+    except psutil.Error:
+        pass

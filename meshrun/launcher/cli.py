@@ -1,0 +1,78 @@
+"""``meshrun``: the command line. Parse, validate, then hand the config to the agent.
+
+``main`` is the console script (``meshrun``) and ``python -m meshrun``. It dispatches
+``meshrun COMMAND ...`` to a registered subcommand (`meshrun.launcher.subcommands`) unless the
+first argument names an existing file, which is always the script. Otherwise it builds the
+`LaunchConfig` (`meshrun.launcher.build.build_config`) and runs ``Agent(config).run()``.
+
+Bad input never reaches the agent: it is one line on stderr,
+``meshrun: error: --nnodes 3:2: MIN must not exceed MAX (got MIN=3, MAX=2); ...``, and exit
+code 2, with nothing started and no file written. torch is imported only by the agent, after
+parsing, so ``meshrun --help`` and bad input answer at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import click
+
+from meshrun.launcher.build import build_config
+from meshrun.launcher.errors import EXIT_USAGE, ConfigError
+from meshrun.launcher.subcommands import SUBCOMMANDS
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``meshrun`` with ``argv`` (default ``sys.argv[1:]``); never returns.
+
+    Exits with the agent's exit code (DESIGN.md §3.4), 0 after ``--help``/``--version``, and
+    2 after one ``meshrun: error: ...`` line on stderr for bad input.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS and not os.path.exists(args[0]):
+        sys.exit(run_subcommand(args[0], args[1:]))
+    try:
+        config = build_config(args, os.environ)
+    except click.exceptions.Exit as e:  # after --help or --version
+        sys.exit(e.exit_code)
+    except ConfigError as e:
+        fail(str(e))
+
+    from meshrun.agent import Agent
+    from meshrun.agent import ConfigError as AgentConfigError
+
+    try:
+        agent = Agent(config)  # checks what only the agent knows (rendezvous settings)
+    except AgentConfigError as e:
+        fail(str(e))
+    sys.exit(agent.run())
+
+
+def run_subcommand(name: str, args: list[str]) -> int:
+    """Run the registered subcommand ``name`` with ``args``; return its exit code.
+
+    Its usage errors are reduced to one ``meshrun NAME: error: ...`` line and exit code 2,
+    like the launcher's own.
+    """
+    command = SUBCOMMANDS[name]
+    try:
+        result = command.main(args=args, prog_name=f"meshrun {name}", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.Abort:
+        return 130
+    except click.UsageError as e:
+        click.echo(f"meshrun {name}: error: {' '.join(e.format_message().split())}", err=True)
+        return EXIT_USAGE
+    except ConfigError as e:
+        click.echo(f"meshrun {name}: error: {e}", err=True)
+        return EXIT_USAGE
+    return result if isinstance(result, int) else 0
+
+
+def fail(message: str) -> None:
+    """Print ``meshrun: error: <message>`` as one line on stderr and exit with code 2."""
+    click.echo(f"meshrun: error: {' '.join(message.split())}", err=True)
+    sys.exit(EXIT_USAGE)

@@ -1,0 +1,44 @@
+"""The one error type of the launcher: bad user input, reported as one line, exit code 2.
+
+Every problem found while turning flags, ``PET_*`` variables and a config file into a
+`LaunchConfig` is raised as `ConfigError`, whose text reads
+``<where>: <problem>; <fix>``, e.g. ``--nnodes 3:2: MIN must not exceed MAX (got MIN=3,
+MAX=2); give N or MIN:MAX with 1 <= MIN <= MAX``. ``meshrun.launcher.cli.main`` prints it as
+``meshrun: error: <text>`` on one line of stderr and exits with code 2 (DESIGN.md §3.4) before
+anything is started.
+"""
+
+from __future__ import annotations
+
+EXIT_USAGE = 2  # DESIGN.md §3.4: usage or config error, nothing was started
+
+
+class ConfigError(ValueError):
+    """Bad user input: an unknown option, a bad value, a missing script, a bad config file.
+
+    ``str(error)`` is one line (newlines are folded), naming where the value came from, the
+    value, the problem, and the fix.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split("\n")).strip())
+
+
+class ValueProblem(ValueError):
+    """Raised by the value parsers in `meshrun.launcher.values`: what is wrong and the fix.
+
+    The parsers do not know where a value came from (flag, env, file); `build_config` adds
+    that and re-raises as `ConfigError`.
+    """
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.fix = fix
+
+    def at(self, where: str) -> ConfigError:
+        """This problem as a `ConfigError` for the value described by ``where``."""
+        text = f"{where}: {self.problem}"
+        if self.fix:
+            text += f"; {self.fix}"
+        return ConfigError(text)

@@ -1,0 +1,310 @@
+"""Parsers for option values: one string (as torchrun would see it) -> one typed value.
+
+Each parser mirrors how ``torch.distributed.run`` reads the same option, checks what torchrun
+leaves to a later crash (``--nnodes 3:2``, ``--redirects 3x``), and raises `ValueProblem`
+(the problem and the fix) on bad input. They do not know whether a value came from a flag,
+a ``PET_*`` variable or a config file: `meshrun.launcher.build` adds that.
+
+Nothing here imports torch: GPUs are counted from ``CUDA_VISIBLE_DEVICES`` or ``nvidia-smi``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping
+
+from meshrun.launcher.config import Std, StdSpec
+from meshrun.launcher.errors import ValueProblem
+
+# -- sizes ----------------------------------------------------------------------------------
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``, as torchrun's ``--nnodes``.
+
+    Raises `ValueProblem` unless both are integers with ``1 <= MIN <= MAX``.
+    """
+    fix = "give N or MIN:MAX with 1 <= MIN <= MAX"
+    parts = value.strip().split(":")
+    if len(parts) > 2:
+        raise ValueProblem('not in "N" or "MIN:MAX" form', fix)
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ValueProblem("not an integer node count", fix) from None
+    lo, hi = numbers[0], numbers[-1]
+    if lo < 1:
+        what = "the node count" if len(parts) == 1 else "MIN"
+        raise ValueProblem(f"{what} must be at least 1 (got {lo})", fix)
+    if lo > hi:
+        raise ValueProblem(f"MIN must not exceed MAX (got MIN={lo}, MAX={hi})", fix)
+    return lo, hi
+
+
+def parse_nproc_per_node(value: str, env: Mapping[str, str]) -> int:
+    """Workers per node: an integer >= 1, or ``cpu``, ``gpu`` or ``auto`` as torchrun.
+
+    ``cpu`` -> the CPUs this process may run on (``sched_getaffinity``, as torch's
+    ``cpu_count``); ``gpu`` -> `count_gpus` (a problem if there are none); ``auto`` -> the GPU
+    count if any, else the CPU count. ``env`` supplies ``CUDA_VISIBLE_DEVICES`` and ``PATH``.
+    """
+    fix = "give an integer >= 1, or cpu, gpu or auto"
+    text = value.strip()
+    if text in ("cpu", "gpu", "auto"):
+        gpus = count_gpus(env) if text != "cpu" else 0
+        if text == "gpu" and gpus == 0:
+            raise ValueProblem(
+                "no GPU found (CUDA_VISIBLE_DEVICES is empty or unset and nvidia-smi lists none)",
+                "give an integer, or cpu",
+            )
+        return gpus if gpus else _cpu_count()
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueProblem("not a worker count", fix) from None
+    if n < 1:
+        raise ValueProblem(f"must be at least 1 (got {n})", fix)
+    return n
+
+
+def count_gpus(env: Mapping[str, str]) -> int:
+    """The number of CUDA devices visible to workers, found without importing torch.
+
+    ``CUDA_VISIBLE_DEVICES`` when set: its comma-separated entries, stopping at the first
+    negative one as the CUDA runtime does (``""`` and ``"-1"`` -> 0). Otherwise the ``GPU``
+    lines of ``nvidia-smi -L`` when that binary is on ``env["PATH"]``, else 0.
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            count += 1
+        return count
+    smi = shutil.which("nvidia-smi", path=env.get("PATH", os.defpath))
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run(
+            [smi, "-L"], capture_output=True, text=True, timeout=20, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+# -- numbers --------------------------------------------------------------------------------
+
+
+def parse_int(value: str, minimum: int, maximum: int | None = None) -> int:
+    """An integer in ``[minimum, maximum]``; raises `ValueProblem` otherwise."""
+    span = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ValueProblem("not an integer", f"give an integer {span}") from None
+    if n < minimum or (maximum is not None and n > maximum):
+        raise ValueProblem(f"out of range (got {n})", f"give an integer {span}")
+    return n
+
+
+def parse_seconds(value: str, allow_zero: bool = False) -> float:
+    """A duration in seconds: a float > 0 (>= 0 with ``allow_zero``); raises `ValueProblem`."""
+    bound = ">= 0" if allow_zero else "> 0"
+    fix = f"give a number of seconds {bound}"
+    try:
+        x = float(str(value).strip())
+    except ValueError:
+        raise ValueProblem("not a number", fix) from None
+    if not (x >= 0 if allow_zero else x > 0) or x != x or x == float("inf"):
+        raise ValueProblem(f"out of range (got {x:g})", fix)
+    return x
+
+
+def parse_choice(value: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``; raises `ValueProblem` otherwise."""
+    if value not in choices:
+        raise ValueProblem("not a valid choice", f"give one of {', '.join(choices)}")
+    return value
+
+
+def parse_flag_env(value: str) -> bool:
+    """A ``PET_*`` value for a boolean flag, read as torchrun does: ``bool(int(value))``."""
+    try:
+        return bool(int(value.strip()))
+    except ValueError:
+        raise ValueProblem("not 0 or 1", "set it to 1 (on) or 0 (off)") from None
+
+
+# -- rendezvous -----------------------------------------------------------------------------
+
+RDZV_BACKENDS = ("static", "c10d", "etcd")
+_BACKEND_ALIASES = {"etcd-v3": "etcd"}
+
+# rdzv_conf keys that hold a duration; checked here so the agent need not re-check them.
+_RDZV_SECONDS_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "read_timeout",
+    "keep_alive_interval",
+    "heartbeat",
+)
+
+
+def parse_rdzv_backend(value: str) -> str:
+    """``static``, ``c10d``, ``etcd`` (``etcd-v3`` is read as ``etcd``); raises `ValueProblem`.
+
+    ``etcd-v2`` (torch's v2-API backend) is not supported: meshrun speaks etcd's v3 API only.
+    """
+    name = value.strip().lower()
+    name = _BACKEND_ALIASES.get(name, name)
+    if name == "etcd-v2":
+        raise ValueProblem(
+            "etcd v2 is not supported", "use --rdzv-backend etcd (etcd's v3 API)"
+        )
+    if name not in RDZV_BACKENDS:
+        raise ValueProblem("unknown rendezvous backend", "give static, c10d or etcd")
+    return name
+
+
+def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
+    """``"k=v,k2=v2"`` -> ``({"k": "v", "k2": "v2"}, notes)``, values kept as strings.
+
+    As torch's ``_parse_rendezvous_config``: keys and values are stripped, an entry without
+    ``=``, an empty key or an empty value is a problem. ``timeout`` is torch's older name for
+    ``join_timeout``: it is stored as ``join_timeout`` and a note says so (never dropped
+    silently); giving both is a problem. Duration keys (``join_timeout``, ``read_timeout``,
+    ...) must be numbers of seconds > 0. Returns the dict and the notes to print.
+    """
+    fix = "give key=value pairs separated by commas, e.g. join_timeout=60,read_timeout=10"
+    conf: dict[str, str] = {}
+    notes: list[str] = []
+    text = value.strip()
+    if not text:
+        return conf, notes
+    for entry in text.split(","):
+        key, sep, val = entry.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key or not val:
+            what = "no '='" if not sep else ("an empty key" if not key else "an empty value")
+            raise ValueProblem(f"entry {entry.strip()!r} has {what}", fix)
+        if key in conf:
+            raise ValueProblem(f"key {key!r} is given twice", "give each key once")
+        conf[key] = val
+    if "timeout" in conf:
+        if "join_timeout" in conf:
+            raise ValueProblem(
+                "timeout is another name for join_timeout, and both are given",
+                "give only join_timeout",
+            )
+        conf["join_timeout"] = conf.pop("timeout")
+        notes.append(
+            f"note: --rdzv-conf timeout={conf['join_timeout']} is read as "
+            f"join_timeout={conf['join_timeout']}"
+        )
+    for key in _RDZV_SECONDS_KEYS:
+        if key in conf:
+            try:
+                parse_seconds(conf[key])
+            except ValueProblem:
+                raise ValueProblem(
+                    f"{key}={conf[key]} is not a number of seconds > 0",
+                    f"give e.g. {key}=60",
+                ) from None
+    return conf, notes
+
+
+# -- output ---------------------------------------------------------------------------------
+
+_STD_VALUE = re.compile(r"[0-3]")
+_STD_MAPPING = re.compile(r"[0-9]+:[0-3](,[0-9]+:[0-3])*")
+
+
+def parse_std_spec(value: str) -> StdSpec:
+    """A ``-r/--redirects`` or ``-t/--tee`` value, as torch's ``Std.from_str``.
+
+    ``"3"`` -> all local ranks get `Std.ALL`; ``"0:1,1:2"`` -> local rank 0 stdout, local rank
+    1 stderr, every other rank `Std.NONE`. 0 none, 1 stdout, 2 stderr, 3 both.
+    """
+    text = value.strip()
+    if _STD_VALUE.fullmatch(text):
+        return StdSpec(Std(int(text)))
+    if _STD_MAPPING.fullmatch(text):
+        per_rank: dict[int, Std] = {}
+        for item in text.split(","):
+            rank, std = item.split(":")
+            per_rank[int(rank)] = Std(int(std))
+        return StdSpec(Std.NONE, tuple(sorted(per_rank.items())))
+    raise ValueProblem(
+        "not a stream selection",
+        "give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank as 0:1,1:2",
+    )
+
+
+def parse_local_ranks_filter(value: str) -> frozenset[int] | None:
+    """``"0,2"`` -> ``frozenset({0, 2})``; ``""`` -> ``None`` (every local rank)."""
+    text = value.strip()
+    if not text:
+        return None
+    try:
+        ranks = frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise ValueProblem(
+            "not a list of local ranks", "give comma-separated integers, e.g. 0,2"
+        ) from None
+    if min(ranks) < 0:
+        raise ValueProblem("local ranks are >= 0", "give comma-separated integers, e.g. 0,2")
+    return ranks
+
+
+def parse_filters(value: str) -> tuple[str, ...]:
+    """A ``--duplicate-std{out,err}-filters`` value: comma-separated, ``,,`` escapes a comma.
+
+    Split exactly as torch's ``comma_separated_list``, except that empty items are dropped
+    (torch would keep ``""``, a filter matching every line): ``""`` -> ``()``.
+    """
+    placeholder = "\0"
+    items = value.replace(",,", placeholder).split(",")
+    return tuple(i.replace(placeholder, ",") for i in items if i)
+
+
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+def parse_signals(value: str) -> tuple[int, ...]:
+    """``"SIGTERM,SIGINT"`` -> ``(15, 2)``: signal names (``SIG`` prefix optional), in order.
+
+    ``""`` -> ``()`` (forward none). Unknown names, and SIGKILL/SIGSTOP (which cannot be
+    caught), are problems.
+    """
+    numbers: list[int] = []
+    for item in value.split(","):
+        name = item.strip().upper()
+        if not name:
+            continue
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        sig = getattr(signal.Signals, name, None) if name.isidentifier() else None
+        if not isinstance(sig, signal.Signals):
+            raise ValueProblem(
+                f"unknown signal {item.strip()!r}",
+                "give signal names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            )
+        if name in _UNCATCHABLE:
+            raise ValueProblem(f"{name} cannot be handled", "leave it out")
+        if int(sig) not in numbers:
+            numbers.append(int(sig))
+    return tuple(numbers)

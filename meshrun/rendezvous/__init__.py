@@ -1,0 +1,97 @@
+"""Membership: which nodes are in each round, their node ranks, and the job's restart budget.
+
+Public API: `open_store` (pick and connect the backend's store), `Rendezvous` (the protocol),
+`RendezvousInfo`, `RendezvousSettings`, `NodeDesc`, and the errors. Backends: ``static``
+(fixed node ranks; store hosted by node rank 0 at MASTER_ADDR:MASTER_PORT), ``c10d`` (TCPStore
+hosted by the agent on the ``--rdzv-endpoint`` host) and, for one-node jobs, an in-process
+store that needs no network at all.
+"""
+
+from __future__ import annotations
+
+from meshrun.rendezvous.api import (
+    JobFailed,
+    JobFinished,
+    NodeDesc,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousSettings,
+    RendezvousTimeoutError,
+    StoreLostError,
+    settings_from_conf,
+)
+from meshrun.rendezvous.protocol import Rendezvous
+from meshrun.rendezvous.store import MemoryStore, Store
+
+__all__ = [
+    "JobFailed",
+    "JobFinished",
+    "MemoryStore",
+    "NodeDesc",
+    "Rendezvous",
+    "RendezvousError",
+    "RendezvousInfo",
+    "RendezvousSettings",
+    "RendezvousTimeoutError",
+    "Store",
+    "StoreLostError",
+    "open_store",
+    "settings_from_conf",
+]
+
+
+def open_store(
+    backend: str,
+    endpoint: str,
+    settings: RendezvousSettings,
+    *,
+    node_rank: int | None = None,
+) -> tuple[Store, str]:
+    """Connect to (or host) the rendezvous store for ``backend``.
+
+    Returns the store and the address other nodes should use to reach this node (the local
+    address on the route to the store). ``endpoint`` is ``host:port``; for ``static`` it is
+    MASTER_ADDR:MASTER_PORT and node rank 0 hosts the store. A job with one node (MAX = 1)
+    gets an in-process store: nothing is listening, nothing can collide.
+
+    Raises:
+        RendezvousError: the store cannot be hosted or reached (exit 3).
+        ValueError: a malformed endpoint or an unknown backend (a usage error, exit 2).
+    """
+    if settings.max_nodes == 1:
+        return MemoryStore(), "127.0.0.1"
+    from meshrun.rendezvous import c10d
+
+    if backend == "static":
+        host, port = c10d.parse_endpoint(endpoint)
+        store = c10d.TCPStoreBackend(
+            host, port, is_host=(node_rank or 0) == 0, timeout=settings.read_timeout
+        )
+        return store, c10d.outbound_address(host, port)
+    if backend == "c10d":
+        host, port = c10d.parse_endpoint(endpoint)
+        is_host = _parse_bool(settings.extra.get("is_host"))
+        if is_host is None:
+            is_host = c10d.is_local_endpoint(host)
+            if is_host:  # two agents on one host: the first to bind hosts, the other connects
+                try:
+                    store = c10d.TCPStoreBackend(
+                        host, port, is_host=True, timeout=settings.read_timeout
+                    )
+                    return store, c10d.outbound_address(host, port)
+                except RendezvousError:
+                    is_host = False
+        store = c10d.TCPStoreBackend(host, port, is_host=is_host, timeout=settings.read_timeout)
+        return store, c10d.outbound_address(host, port)
+    raise ValueError(f"--rdzv-backend {backend}: unknown backend (use static, c10d or etcd)")
+
+
+def _parse_bool(text: str | None) -> bool | None:
+    if text is None:
+        return None
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "y", "on"):
+        return True
+    if lowered in ("0", "false", "no", "n", "off"):
+        return False
+    raise ValueError(f"--rdzv-conf is_host={text}: expected true or false")

@@ -1,0 +1,180 @@
+"""What a rendezvous hands the agent, and how it fails.
+
+A rendezvous is a sequence of *rounds*. In each round a set of nodes (agents) agree on who is
+in, on a node rank for each (0..N-1, contiguous), and on where the workers' bootstrap store
+lives. `RendezvousInfo` is one node's view of one completed round; every member of a round sees
+the same membership (the protocol's invariant, tested in ``tests/rendezvous``).
+
+Errors map to the launcher's exit codes (DESIGN.md §3.4): every `RendezvousError` is exit 3.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+class RendezvousError(Exception):
+    """The rendezvous failed: join timeout, too few nodes, store lost, auth refused (exit 3)."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Not enough nodes joined within ``join_timeout``."""
+
+
+class StoreLostError(RendezvousError):
+    """The rendezvous store stopped answering (its host died, or the network to it did)."""
+
+
+class JobFinished(Exception):
+    """The job already ended with success; a spare node that waited for room exits 0."""
+
+
+class JobFailed(Exception):
+    """Another node ended the job as failed (its restart budget was spent)."""
+
+    def __init__(self, round: int, reason: str):
+        super().__init__(reason)
+        self.round = round
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class NodeDesc:
+    """One agent as the rendezvous sees it.
+
+    ``node_id`` is unique per agent process (host, pid and a random suffix), never the bare
+    hostname: several agents may share a host (tests) or a hostname (network namespaces).
+    ``addr`` is the address other nodes reach this one at; ``nproc`` its local world size.
+    ``node_rank_hint`` is the user's ``--node-rank`` (None when not given); ``prev_rank`` the node
+    rank this agent had in the last round it was a member of (None for a newcomer).
+    """
+
+    node_id: str
+    addr: str
+    nproc: int
+    node_rank_hint: int | None = None
+    prev_rank: int | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NodeDesc:
+        return cls(**json.loads(raw))
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    """One node's view of a completed round.
+
+    Global ranks are contiguous per node in node-rank order: this node's local rank ``i`` has
+    global rank ``rank_offset + i``. ``restart_count`` is the number of failure restarts the job
+    has spent so far (the same on every node); ``round`` grows on every re-rendezvous, failure or
+    membership change. ``master_addr``/``master_port`` locate the workers' bootstrap TCPStore,
+    fresh for every round and hosted by the agent of node rank 0.
+    """
+
+    run_id: str
+    round: int
+    restart_count: int
+    node_rank: int
+    nodes: tuple[NodeDesc, ...]  # in node-rank order
+    master_addr: str
+    master_port: int
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.nproc for n in self.nodes)
+
+    @property
+    def rank_offset(self) -> int:
+        return sum(n.nproc for n in self.nodes[: self.node_rank])
+
+    @property
+    def local_world_size(self) -> int:
+        return self.nodes[self.node_rank].nproc
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """The protocol's knobs, in seconds; names and meanings follow torch's ``--rdzv-conf`` keys.
+
+    Defaults differ from torch's where torch's are the pain: dead-node detection is
+    ``keep_alive_interval * keep_alive_max_attempt`` = 2.5 s, plus at most one interval of
+    observation lag, so at most 3 s (torch: 5 s x 3 = 15 s).
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 1.0
+    close_timeout: float = 5.0
+    keep_alive_interval: float = 0.5
+    keep_alive_max_attempt: int = 5
+    read_timeout: float = 10.0
+    max_restarts: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which a node counts as lost."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+# The --rdzv-conf keys the protocol reads, with their types. Backend-specific keys (is_host,
+# TLS files, user/password) are passed through ``RendezvousSettings.extra``.
+CONF_KEYS: dict[str, type] = {
+    "join_timeout": float,
+    "last_call_timeout": float,
+    "close_timeout": float,
+    "keep_alive_interval": float,
+    "keep_alive_max_attempt": int,
+    "read_timeout": float,
+}
+BACKEND_CONF_KEYS = frozenset(
+    {"is_host", "cacert", "cert", "key", "user", "password", "protocol", "store_type"}
+)
+
+
+def settings_from_conf(
+    conf: dict[str, str], *, run_id: str, min_nodes: int, max_nodes: int, max_restarts: int
+) -> RendezvousSettings:
+    """Build `RendezvousSettings` from ``--rdzv-conf`` key/value strings.
+
+    Raises:
+        ValueError: an unknown key, or a value that is not a positive number; the message names
+            the key, the value and the accepted keys.
+    """
+    values: dict[str, float | int] = {}
+    extra: dict[str, str] = {}
+    for key, raw in conf.items():
+        if key in CONF_KEYS:
+            kind = CONF_KEYS[key]
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ValueError(
+                    f"--rdzv-conf {key}={raw}: expected a {kind.__name__} number"
+                ) from None
+            if value <= 0:
+                raise ValueError(f"--rdzv-conf {key}={raw}: must be greater than 0")
+            values[key] = value
+        elif key in BACKEND_CONF_KEYS:
+            extra[key] = raw
+        else:
+            known = ", ".join(sorted([*CONF_KEYS, *BACKEND_CONF_KEYS]))
+            raise ValueError(f"--rdzv-conf {key}={raw}: unknown key (known keys: {known})")
+    return RendezvousSettings(
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        max_restarts=max_restarts,
+        extra=extra,
+        **values,
+    )

@@ -1,0 +1,228 @@
+"""The store contract on torch's TCPStore (the ``c10d`` backend), hosted by one agent.
+
+TCPStore has no versions and no change notification: ``wait`` only waits for a key to exist,
+and a blocked call holds its connection. So (DESIGN.md §3.2):
+
+- a versioned key ``k`` stores ``b"<version>|<writer>|<payload>"``; compare-and-set is
+  TCPStore's native ``compare_set`` on the whole stored bytes (the writer id makes two writers
+  of the same payload distinguishable);
+- every successful write of version ``v`` also creates the marker key ``k@v``, so waiting for
+  a change past version ``v`` is ``wait(["k@<v+1>"])``;
+- liveness is a heartbeat counter per node (`CounterLiveness`) on its own client connection.
+
+Counters (``add``) are plain TCPStore counters and are not waitable; the protocol never waits
+on one. torch is imported lazily: only multi-node jobs pay for it, and only in the agent.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import uuid
+from datetime import timedelta
+
+from meshrun.rendezvous.api import StoreLostError
+from meshrun.rendezvous.store import CounterLiveness, Liveness, Store, Versioned
+
+DEFAULT_PORT = 29400
+
+# Environment variables the agent sets for itself only; worker_env() takes them out again.
+AGENT_ONLY_ENV: dict[str, str | None] = {}
+
+
+def import_torch_distributed():
+    """Import ``torch.distributed`` in the agent, with torch's C++ warnings off.
+
+    TCPStore logs a warning for every wait that times out, and the protocol's waits time out
+    routinely; the workers keep the user's own ``TORCH_CPP_LOG_LEVEL`` (see `AGENT_ONLY_ENV`).
+    """
+    import os
+
+    if "TORCH_CPP_LOG_LEVEL" not in AGENT_ONLY_ENV:
+        AGENT_ONLY_ENV["TORCH_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    import torch.distributed as dist
+
+    return dist
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """Split ``host[:port]`` (IPv6 in brackets: ``[::1]:29400``) into host and port.
+
+    Raises:
+        ValueError: a malformed endpoint or port, named in the message.
+    """
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("empty rendezvous endpoint; give --rdzv-endpoint HOST[:PORT]")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ValueError(f"--rdzv-endpoint {endpoint}: missing ']' after an IPv6 address")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"--rdzv-endpoint {endpoint}: expected ':PORT' after ']'")
+    elif text.count(":") > 1:
+        host, port_text = text, ""  # a bare IPv6 address
+    else:
+        host, _, port_text = text.partition(":")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ValueError(f"--rdzv-endpoint {endpoint}: port {port_text!r} is not 0..65535")
+    return host, int(port_text)
+
+
+def local_addresses() -> set[str]:
+    """This host's own addresses, from its interfaces (psutil), without reverse DNS."""
+    import psutil
+
+    addrs = {"localhost"}
+    for entries in psutil.net_if_addrs().values():
+        for entry in entries:
+            if entry.family in (socket.AF_INET, socket.AF_INET6):
+                addrs.add(entry.address.split("%")[0])
+    return addrs
+
+
+def is_local_endpoint(host: str) -> bool:
+    """Whether ``host`` names this machine: one of its addresses, or a name that resolves to
+    one of them (forward lookups only)."""
+    mine = local_addresses()
+    if host in mine or host == socket.gethostname():
+        return True
+    try:
+        ipaddress.ip_address(host)
+        return False  # a literal address that is not ours
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return any(info[4][0].split("%")[0] in mine for info in infos)
+
+
+def outbound_address(host: str, port: int) -> str:
+    """The local address this host uses to reach ``host:port`` (a UDP connect sends nothing)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+class TCPStoreBackend(Store):
+    """The store contract on a TCPStore at ``host:port``.
+
+    Args:
+        host, port: the store's address.
+        is_host: start the store server in this process (the agent chosen to host it).
+        timeout: seconds for connecting and for each blocking operation (``read_timeout``).
+    Raises:
+        StoreLostError: the store cannot be reached, or stops answering.
+    """
+
+    def __init__(self, host: str, port: int, *, is_host: bool, timeout: float):
+        dist = import_torch_distributed()
+
+        self.host, self.port, self.is_host, self.timeout = host, port, is_host, timeout
+        self._writer = uuid.uuid4().hex[:8]
+        try:
+            self._store = dist.TCPStore(
+                host,
+                port,
+                is_master=is_host,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout),
+                use_libuv=True,
+            )
+        except Exception as e:
+            verb = "host" if is_host else "reach"
+            hint = (
+                "is the port already in use?"
+                if is_host
+                else "is the node hosting the store up, and the endpoint right?"
+            )
+            raise StoreLostError(
+                f"cannot {verb} the rendezvous store at {host}:{port}: {_first_line(e)} ({hint})"
+            ) from None
+        self.port = self._store.port
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _lost(self, e: Exception) -> StoreLostError:
+        return StoreLostError(
+            f"rendezvous store at {self.host}:{self.port} lost: {_first_line(e)}"
+        )
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - TCPStore raises several error types
+            raise self._lost(e) from None
+
+    @staticmethod
+    def _parse(raw: bytes) -> Versioned:
+        version, _, rest = raw.partition(b"|")
+        _, _, payload = rest.partition(b"|")
+        return Versioned(payload, int(version))
+
+    # -- the contract ----------------------------------------------------------------------------
+    def get(self, key: str) -> Versioned | None:
+        if not self._call(self._store.check, [key]):
+            return None
+        return self._parse(self._call(self._store.get, key))
+
+    def get_many(self, keys: list[str]) -> list[Versioned | None]:
+        if keys and self._call(self._store.check, keys):
+            return [self._parse(raw) for raw in self._call(self._store.multi_get, keys)]
+        return [self.get(key) for key in keys]
+
+    def compare_and_set(self, key, expected_version, value):
+        if expected_version == 0:
+            expected_raw = b""
+        else:
+            current = self.get(key)
+            if current is None or current.version != expected_version:
+                return False, current
+            expected_raw = self._call(self._store.get, key)
+        version = expected_version + 1
+        new_raw = b"%d|%s|%s" % (version, self._writer.encode(), value)
+        stored = self._call(self._store.compare_set, key, expected_raw, new_raw)
+        if stored != new_raw:
+            return False, self._parse(stored) if stored else None
+        self._call(self._store.set, f"{key}@{version}", b"1")
+        return True, Versioned(value, version)
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self._call(self._store.add, key, delta))
+
+    def wait_for_change(self, key, version, timeout):
+        marker = f"{key}@{version + 1}"
+        try:
+            self._store.wait([marker], timedelta(seconds=max(timeout, 0.001)))
+        except Exception as e:  # noqa: BLE001
+            if not _is_timeout(e):
+                raise self._lost(e) from None
+        return self.get(key)
+
+    def liveness(self, node_id: str, dead_after: float) -> Liveness:
+        # Its own connection: the heartbeat thread must not queue behind a blocked wait.
+        client = TCPStoreBackend(self.host, self.port, is_host=False, timeout=self.timeout)
+        return CounterLiveness(client, node_id, dead_after, prefix="/liveness/")
+
+    def close(self) -> None:
+        self._store = None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+

@@ -1,0 +1,509 @@
+"""The rendezvous protocol: who is in each round, in what order, and when to start another.
+
+Written once against the store contract (`meshrun.rendezvous.store.Store`); the in-memory,
+TCPStore and etcd stores all run this same code.
+
+Keys, under ``/meshrun/<run_id>/``::
+
+    state                   the job's state: {round, restarts, status, reason}; changed only by
+                            compare-and-set, so every node agrees on the round and on how many
+                            restarts the job has spent (DESIGN.md §3.1)
+    r<T>/joined             counter: the join order of round T (1, 2, ...)
+    r<T>/slot/<seq>         the NodeDesc of the node that drew ``seq``
+    r<T>/closed             written once: the members of round T, in node-rank order
+    r<T>/master             "host:port" of the workers' bootstrap store (node rank 0 writes it)
+    r<T>/done, alldone      the exit barrier
+    r<T>/failure/<rank>     each node's worker failures, for the job-wide root cause
+    r<T>/reported, allreported, left
+    liveness/<node_id>      heartbeats (etcd: lease-bound keys)
+
+A round T is *open* while ``state.round == T`` and ``r<T>/closed`` is absent. Joining is one
+``add`` and one write; a node then waits for the MIN-th slot to appear (one wait), waits out
+the last call (one wait), tries to close (one compare-and-set) and reads the membership (one
+get). Whoever closes the round decides the membership and node ranks for everybody, in one
+write-once key, so no two nodes can ever see different memberships for the same round.
+
+While a round runs, each member does two reads per monitor tick (the state, and the join
+counter of the next round: nodes waiting there mean scale-up), and a heartbeat thread beats
+and watches one neighbour on a ring (node rank r watches r+1 mod N), so dead-node detection
+costs O(1) per node whatever N is. Any member that sees a reason to restart (a local worker
+failure, a lost neighbour, waiting nodes) moves ``state`` to the next round with one
+compare-and-set; the others notice on their next tick. A failure also spends one restart of the
+job's budget -- once per round, however many nodes saw failures in it.
+
+Node ranks (documented in the README): when every member gave ``--node-rank`` and the values are
+exactly 0..N-1, they are used; otherwise members of the previous round keep their relative
+order and newcomers follow in join order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+from meshrun.rendezvous.api import (
+    JobFailed,
+    JobFinished,
+    NodeDesc,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousSettings,
+    RendezvousTimeoutError,
+    StoreLostError,
+)
+from meshrun.rendezvous.store import Store
+
+log = logging.getLogger("meshrun.rendezvous")
+
+# Long waits are cut into pieces of this many seconds, so a lost store is noticed even where a
+# blocked wait would not see it.
+_IDLE_WAIT = 5.0
+
+RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+
+
+@dataclass(frozen=True)
+class JobState:
+    """The job-wide state record (key ``state``)."""
+
+    round: int = 0
+    restarts: int = 0
+    status: str = RUNNING
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> JobState:
+        return cls(**json.loads(raw))
+
+
+# -- pure decisions (table-tested with a fake clock in tests/rendezvous) ---------------------
+
+
+def assign_node_ranks(joined: list[NodeDesc]) -> list[NodeDesc]:
+    """Order the members of a round (given in join order) by node rank.
+
+    ``--node-rank`` hints are used when every member gave one and they are exactly 0..N-1;
+    otherwise members of an earlier round keep their relative order (by ``prev_rank``) and
+    newcomers follow in join order.
+    """
+    hints = [d.node_rank_hint for d in joined]
+    if all(h is not None for h in hints) and sorted(hints) == list(range(len(joined))):
+        return sorted(joined, key=lambda d: d.node_rank_hint)
+    order = {d.node_id: i for i, d in enumerate(joined)}
+    return sorted(
+        joined,
+        key=lambda d: (d.prev_rank is None, d.prev_rank or 0, order[d.node_id]),
+    )
+
+
+def close_decision(
+    joined: int, min_nodes: int, max_nodes: int, now: float, last_call_at: float | None
+) -> int:
+    """How many members to close a round with now (0: not yet).
+
+    A round closes at once when MAX nodes have joined, or with everyone joined so far (at most
+    MAX) once MIN have joined and the last call (``last_call_at``, an absolute time) has passed.
+    """
+    if joined >= max_nodes:
+        return max_nodes
+    if joined >= min_nodes and last_call_at is not None and now >= last_call_at:
+        return joined
+    return 0
+
+
+def next_state(state: JobState, *, failure: bool, reason: str, max_restarts: int) -> JobState:
+    """The state after a member asks for a restart of ``state.round``.
+
+    A failure spends one restart, or fails the job when the budget (``max_restarts``) is spent;
+    a membership change starts the next round for free.
+    """
+    if not failure:
+        return replace(state, round=state.round + 1, reason=reason)
+    if state.restarts >= max_restarts:
+        return replace(state, status=FAILED, reason=reason)
+    return replace(state, round=state.round + 1, restarts=state.restarts + 1, reason=reason)
+
+
+# -- the protocol -----------------------------------------------------------------------------
+
+
+class Rendezvous:
+    """One agent's side of the protocol.
+
+    The agent calls `next_round` to join (blocking until a round with this node completes),
+    `poll` once per monitor tick while workers run, `request_restart` when its workers fail,
+    `exit_barrier` when they succeed, and `close` at the end.
+
+    Args:
+        store: the shared store (see `meshrun.rendezvous.store`).
+        settings: timeouts and node counts.
+        me: this node (``prev_rank`` is filled in by the protocol from round to round).
+        host_bootstrap: called on the node of rank 0 after each round closes; starts the
+            workers' bootstrap store and returns its ``(addr, port)``.
+        clock: a monotonic clock in seconds (a fake one in tests).
+    Raises (from its methods): `RendezvousTimeoutError`, `StoreLostError`, `JobFinished`,
+        `JobFailed`.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        settings: RendezvousSettings,
+        me: NodeDesc,
+        host_bootstrap: Callable[[], tuple[str, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.store = store
+        self.settings = settings
+        self.me = me
+        self._host_bootstrap = host_bootstrap
+        self._clock = clock
+        self._prefix = f"/meshrun/{settings.run_id}/"
+        self._joined: tuple[int, int] | None = None  # (round, seq) we hold a slot in
+        self._spare_noted = -1
+        self.info: RendezvousInfo | None = None
+        self._heartbeat = _Heartbeat(store, me.node_id, settings)
+
+    # -- keys --------------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return self._prefix + "/".join(str(p) for p in parts)
+
+    def _round_key(self, round: int, *parts: object) -> str:
+        return self._key(f"r{round}", *parts)
+
+    # -- state -------------------------------------------------------------------------------
+    def read_state(self) -> tuple[JobState, int]:
+        """The job state and its version (0 before anyone wrote it)."""
+        item = self.store.get(self._key("state"))
+        if item is None:
+            return JobState(), 0
+        return JobState.from_json(item.value), item.version
+
+    @staticmethod
+    def _raise_if_ended(state: JobState) -> None:
+        if state.status == SUCCEEDED:
+            raise JobFinished(state.reason)
+        if state.status == FAILED:
+            raise JobFailed(state.round, state.reason)
+
+    # -- joining -----------------------------------------------------------------------------
+    def next_round(self) -> RendezvousInfo:
+        """Join the next round and block until it completes with this node as a member.
+
+        Spares (nodes beyond MAX) wait here until a later round has room. Raises
+        `RendezvousTimeoutError` when fewer than MIN nodes join within ``join_timeout`` of
+        the round opening, `JobFinished` when the job ended with success while waiting.
+        """
+        self._heartbeat.start()
+        while True:
+            self._heartbeat.check()
+            state, _ = self.read_state()
+            self._raise_if_ended(state)
+            target = state.round
+            if self.store.get(self._round_key(target, "closed")) is not None:
+                target += 1  # that round is running without us: queue for the next one
+            if self._joined is None or self._joined[0] != target:
+                seq = self.store.add(self._round_key(target, "joined"), 1)
+                self.store.set_once(self._round_key(target, "slot", seq), self.me.to_json())
+                self._joined = (target, seq)
+            members = self._wait_for_close(target)
+            if any(m.node_id == self.me.node_id for m in members):
+                return self._complete(target, members)
+            if self._spare_noted != target:
+                self._spare_noted = target
+                log.warning(
+                    "meshrun: round %d is full (%d nodes, MAX=%d); this node waits as a spare",
+                    target, len(members), self.settings.max_nodes,
+                )
+
+    def _wait_for_close(self, target: int) -> list[NodeDesc]:
+        """Wait until round ``target`` is closed (closing it ourselves when it is time)."""
+        s = self.settings
+        closed_key = self._round_key(target, "closed")
+        deadline: float | None = None
+        last_call_at: float | None = None
+        while True:
+            closed = self.store.get(closed_key)
+            if closed is not None:
+                return [NodeDesc(**d) for d in json.loads(closed.value)]
+            state, version = self.read_state()
+            self._raise_if_ended(state)
+            if state.round < target:
+                # A round runs; we wait for it to end (no join timeout while a job runs).
+                self.store.wait_for_change(self._key("state"), version, _IDLE_WAIT)
+                self._heartbeat.check()
+                continue
+            now = self._clock()
+            if deadline is None:
+                deadline = now + s.join_timeout
+            joined = self.store.add(self._round_key(target, "joined"), 0)
+            if joined >= s.min_nodes and last_call_at is None:
+                last_call_at = now + s.last_call_timeout
+            count = close_decision(joined, s.min_nodes, s.max_nodes, now, last_call_at)
+            if count:
+                self._try_close(target, count)
+                continue
+            if now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"join timeout: {joined} node(s) joined round {target}, fewer than the "
+                    f"minimum {s.min_nodes}, within join_timeout={s.join_timeout:g} s; start more "
+                    "nodes, lower MIN in --nnodes, or raise --rdzv-conf join_timeout"
+                )
+            if joined < s.min_nodes:
+                # one wait: for the MIN-th node's slot to appear (or the deadline)
+                wait_key, until = self._round_key(target, "slot", s.min_nodes), deadline
+            else:
+                wait_key, until = closed_key, min(last_call_at, deadline)
+            self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
+            self._heartbeat.check()
+
+    def _try_close(self, target: int, count: int) -> None:
+        """Close round ``target`` with the first ``count`` joiners (one compare-and-set)."""
+        keys = [self._round_key(target, "slot", seq) for seq in range(1, count + 1)]
+        slots = self.store.get_many(keys)
+        for i, item in enumerate(slots):
+            while item is None:  # a joiner drew its number but has not written its slot yet
+                item = self.store.wait_for_change(keys[i], 0, self.settings.read_timeout)
+                if item is None:
+                    raise RendezvousError(
+                        f"round {target}: node #{i + 1} joined but never wrote its slot "
+                        f"within read_timeout={self.settings.read_timeout:g} s"
+                    )
+            slots[i] = item
+        members = assign_node_ranks([NodeDesc.from_json(item.value) for item in slots])
+        payload = json.dumps([asdict(m) for m in members]).encode()
+        self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
+
+    def _complete(self, target: int, members: list[NodeDesc]) -> RendezvousInfo:
+        node_rank = next(i for i, m in enumerate(members) if m.node_id == self.me.node_id)
+        state, _ = self.read_state()
+        master_key = self._round_key(target, "master")
+        if node_rank == 0:
+            addr, port = self._host_bootstrap()
+            self.store.set_once(master_key, f"{addr}:{port}".encode())
+        else:
+            item = self.store.wait_for_change(master_key, 0, self.settings.read_timeout)
+            if item is None:
+                raise RendezvousError(
+                    f"round {target}: node rank 0 ({members[0].node_id}) did not publish the "
+                    f"workers' store within read_timeout={self.settings.read_timeout:g} s"
+                )
+            addr, _, port = item.value.decode().rpartition(":")
+        self.me = replace(self.me, prev_rank=node_rank)
+        self._joined = None
+        self.info = RendezvousInfo(
+            run_id=self.settings.run_id,
+            round=target,
+            restart_count=state.restarts,
+            node_rank=node_rank,
+            nodes=tuple(members),
+            master_addr=addr,
+            master_port=int(port),
+        )
+        neighbour = members[(node_rank + 1) % len(members)]
+        self._heartbeat.watch(neighbour.node_id if len(members) > 1 else None)
+        return self.info
+
+    # -- while workers run ---------------------------------------------------------------------
+    def poll(self) -> str | None:
+        """Check for a reason to leave the running round; called once per monitor tick.
+
+        Returns a reason string when the group must restart into a new round (another node
+        moved the round on, a node was lost, nodes wait to join), else None. Raises `JobFailed`
+        when another node ended the job, `StoreLostError` when the store is gone.
+        """
+        info = self.info
+        self._heartbeat.check()
+        state, _ = self.read_state()
+        self._raise_if_ended(state)
+        if state.round != info.round:
+            return state.reason or f"round {state.round} started"
+        lost = self._heartbeat.lost_neighbour
+        if lost is not None:
+            return self.request_restart(f"node {lost} lost", failure=False)
+        if info.num_nodes < self.settings.max_nodes:
+            waiting = self.store.add(self._round_key(info.round + 1, "joined"), 0)
+            if waiting > 0:
+                reason = f"{waiting} node(s) waiting to join"
+                return self.request_restart(reason, failure=False)
+        return None
+
+    def request_restart(self, reason: str, *, failure: bool) -> str:
+        """Move the job past the current round (one compare-and-set; retried on races).
+
+        With ``failure=True`` one restart of the job's budget is spent, or, when it is spent,
+        the job is marked failed and `JobFailed` is raised. If another node already moved the
+        round on, nothing more is spent. Returns the reason of the restart.
+        """
+        info = self.info
+        while True:
+            state, version = self.read_state()
+            self._raise_if_ended(state)
+            if state.round != info.round:
+                return state.reason
+            new = next_state(
+                state, failure=failure, reason=reason, max_restarts=self.settings.max_restarts
+            )
+            ok, _ = self.store.compare_and_set(self._key("state"), version, new.to_json())
+            if ok:
+                self._raise_if_ended(new)
+                return reason
+
+    def publish_failures(self, records: list[dict]) -> None:
+        """Publish this node's worker failures of the current round (for the job report)."""
+        key = self._round_key(self.info.round, "failure", self.info.node_rank)
+        self.store.set_once(key, json.dumps(records).encode())
+
+    def collect_failures(self, round: int) -> list[dict]:
+        """Every member's published failures of ``round``, once all reported or close_timeout.
+
+        Each member calls this once at the end of a failed job, after `publish_failures`.
+        """
+        info = self.info
+        n = info.num_nodes
+        if self.store.add(self._round_key(round, "reported"), 1) >= n:
+            self.store.set_once(self._round_key(round, "allreported"), b"1")
+        else:
+            self.store.wait_for_change(
+                self._round_key(round, "allreported"), 0, self.settings.close_timeout
+            )
+        keys = [self._round_key(round, "failure", r) for r in range(n)]
+        records: list[dict] = []
+        for item in self._get_existing(keys):
+            records.extend(json.loads(item.value))
+        return records
+
+    def _get_existing(self, keys: list[str]) -> list:
+        # TCPStore's multi-get blocks on missing keys: read the present ones one by one.
+        return [item for item in (self.store.get(k) for k in keys) if item is not None]
+
+    def exit_barrier(self, tick: float) -> str | None:
+        """Wait until every member's workers succeeded in this round.
+
+        Returns None when the whole job succeeded, or the reason to restart when the round was
+        moved on meanwhile (a member failed or was lost). Keeps beating, so a finished node never
+        looks lost.
+        """
+        info = self.info
+        done = self.store.add(self._round_key(info.round, "done"), 1)
+        alldone = self._round_key(info.round, "alldone")
+        if done >= info.num_nodes:
+            self._finish_job()
+            return None
+        while True:
+            if self.store.wait_for_change(alldone, 0, tick) is not None:
+                return None
+            self._heartbeat.check()
+            state, _ = self.read_state()
+            if state.status == SUCCEEDED:
+                return None
+            self._raise_if_ended(state)
+            if state.round != info.round:
+                return state.reason
+            lost = self._heartbeat.lost_neighbour
+            if lost is not None:
+                return self.request_restart(f"node {lost} lost", failure=False)
+
+    def _finish_job(self) -> None:
+        info = self.info
+        while True:
+            state, version = self.read_state()
+            if state.status != RUNNING or state.round != info.round:
+                break
+            done = replace(state, status=SUCCEEDED, reason="job finished")
+            if self.store.compare_and_set(self._key("state"), version, done.to_json())[0]:
+                break
+        self.store.set_once(self._round_key(info.round, "alldone"), b"1")
+
+    def leave(self) -> None:
+        """Say that this node has read the outcome and goes (the store host waits for this)."""
+        round = self.info.round if self.info else self.read_state()[0].round
+        self.store.add(self._round_key(round, "left"), 1)
+
+    def wait_for_others_to_leave(self) -> None:
+        """On the node that hosts the store: keep serving until every member and spare has
+        read the outcome, bounded by ``close_timeout``."""
+        if self.info is None:
+            return
+        round = self.info.round
+        expected = self.info.num_nodes + self.store.add(self._round_key(round + 1, "joined"), 0)
+        deadline = self._clock() + self.settings.close_timeout
+        key = self._round_key(round, "left")
+        while self._clock() < deadline:
+            if self.store.add(key, 0) >= expected:
+                return
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread."""
+        self._heartbeat.stop()
+
+
+class _Heartbeat:
+    """Beats for this node and watches one neighbour, on its own thread and connection.
+
+    The main thread may be busy for a whole grace period stopping workers; the heartbeat must
+    not pause then, or a slow restart would look like a lost node.
+    """
+
+    def __init__(self, store: Store, node_id: str, settings: RendezvousSettings):
+        self._store = store
+        self._node_id = node_id
+        self._settings = settings
+        self._neighbour: str | None = None
+        self._liveness = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self.lost_neighbour: str | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._liveness = self._store.liveness(self._node_id, self._settings.dead_after)
+        self._liveness.beat()
+        self._thread = threading.Thread(target=self._run, name="meshrun-heartbeat", daemon=True)
+        self._thread.start()
+
+    def watch(self, node_id: str | None) -> None:
+        with self._lock:
+            self._neighbour = node_id
+            self.lost_neighbour = None
+
+    def check(self) -> None:
+        """Re-raise, on the caller's thread, a store failure the heartbeat thread saw."""
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        interval = self._settings.keep_alive_interval
+        while not self._stopped.wait(interval):
+            try:
+                self._liveness.beat()
+                with self._lock:
+                    neighbour = self._neighbour
+                if neighbour is not None and not self._liveness.is_alive(neighbour):
+                    with self._lock:
+                        if self._neighbour == neighbour:
+                            self.lost_neighbour = neighbour
+            except StoreLostError as e:
+                self.error = e
+                return
+            except Exception as e:  # noqa: BLE001 - any store trouble ends the rendezvous
+                self.error = StoreLostError(f"rendezvous store lost: {e}")
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._liveness is not None:
+            self._liveness.close()

@@ -1,0 +1,271 @@
+"""The store contract the rendezvous protocol is written against, and an in-memory store.
+
+The protocol needs five things from a store, and nothing more:
+
+- ``get(key)`` -> the value and its *version* (a number that grows on every write);
+- ``compare_and_set(key, expected_version, value)``: write only if nobody wrote since we read
+  (``expected_version=0`` means "only if absent") -- the one primitive that decides races;
+- ``add(key, delta)``: an atomic counter (join order, barriers);
+- ``wait_for_change(key, version, timeout)``: block until the key's version differs from
+  ``version`` (0 waits for the key to appear), without polling where the store can notify;
+- liveness: ``liveness(node_id, dead_after)`` gives a `Liveness` to beat for this node and to
+  ask whether another node is still beating.
+
+`MemoryStore` implements the contract in one process (tests, the fake-clock protocol tests, and
+single-node jobs, which need no network store at all). ``c10d.TCPStoreBackend`` implements it on
+torch's TCPStore, and the etcd backend on etcd v3 transactions, watches and leases.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A stored value and its version (>= 1; versions of one key only grow)."""
+
+    value: bytes
+    version: int
+
+
+class Liveness(abc.ABC):
+    """One node's heartbeat, and its view of other nodes' heartbeats.
+
+    Mirrors torch elastic's keep-alive, but per node key rather than inside a shared state blob.
+    """
+
+    @abc.abstractmethod
+    def beat(self) -> None:
+        """Record that this node is alive now. Called every ``keep_alive_interval`` seconds."""
+
+    @abc.abstractmethod
+    def is_alive(self, node_id: str) -> bool:
+        """False once ``node_id`` has not beaten for ``dead_after`` seconds (of our clock)."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Stop beating (a clean exit); other nodes will see this one as gone."""
+
+
+class Store(abc.ABC):
+    """The key/value contract of DESIGN.md §3.2. Keys are str, values bytes.
+
+    Every method may raise `meshrun.rendezvous.api.StoreLostError` when the store is gone.
+    """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Versioned | None:
+        """The current value of ``key``, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def compare_and_set(
+        self, key: str, expected_version: int, value: bytes
+    ) -> tuple[bool, Versioned | None]:
+        """Write ``value`` if the key's version is ``expected_version`` (0: absent).
+
+        Returns ``(True, new)`` on success, else ``(False, current)``.
+        """
+
+    @abc.abstractmethod
+    def add(self, key: str, delta: int) -> int:
+        """Atomically add ``delta`` to the counter ``key`` (created at 0); return the new value."""
+
+    @abc.abstractmethod
+    def wait_for_change(self, key: str, version: int, timeout: float) -> Versioned | None:
+        """Block up to ``timeout`` seconds until ``key``'s version is not ``version``.
+
+        Returns the value then current (the unchanged one, or None, if the wait timed out).
+        """
+
+    def get_many(self, keys: list[str]) -> list[Versioned | None]:
+        """Several keys in one operation where the store allows (one multi-get on TCPStore)."""
+        return [self.get(key) for key in keys]
+
+    def set_once(self, key: str, value: bytes) -> Versioned:
+        """Create ``key`` if absent; return what is stored (ours or the earlier writer's)."""
+        ok, current = self.compare_and_set(key, 0, value)
+        assert current is not None
+        return current
+
+    @abc.abstractmethod
+    def liveness(self, node_id: str, dead_after: float) -> Liveness:
+        """A `Liveness` for ``node_id``; may open its own connection (it beats from a thread)."""
+
+    def delete_prefix(self, prefix: str) -> None:  # noqa: B027 - optional for stores that die with the job
+        """Delete every key under ``prefix`` (etcd: nothing may be left after a job)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections (a hosted store also stops serving)."""
+
+
+class CounterLiveness(Liveness):
+    """Liveness over any store's ``add``: a heartbeat counter per node.
+
+    A watcher remembers the last counter value it saw for each node and when (its own
+    monotonic clock) that value changed, so no clocks need to agree across hosts. Used by the
+    in-memory and TCPStore backends; etcd uses leases instead.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        node_id: str,
+        dead_after: float,
+        prefix: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._store = store
+        self._node_id = node_id
+        self._dead_after = dead_after
+        self._prefix = prefix
+        self._clock = clock
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def beat(self) -> None:
+        self._store.add(self._prefix + self._node_id, 1)
+
+    def is_alive(self, node_id: str) -> bool:
+        count = self._store.add(self._prefix + node_id, 0)
+        now = self._clock()
+        last = self._seen.get(node_id)
+        if last is None or last[0] != count:
+            self._seen[node_id] = (count, now)
+            return True
+        return now - last[1] < self._dead_after
+
+    def close(self) -> None:
+        # A clean exit is told apart from a death by the exit barrier, not by liveness.
+        pass
+
+
+class MemoryStore(Store):
+    """The store contract in one process: a dict, a lock and a condition variable.
+
+    ``clock`` and ``sleep`` are injectable so the protocol can run under a fake clock; with
+    the defaults it is an ordinary thread-safe store. Counts every operation in ``ops`` (per
+    calling thread's node, see `ops_by`), which the O(1)-per-node tests read.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._data: dict[str, Versioned] = {}
+        self._lock = threading.Condition()
+        self._clock = clock
+        self._next_version = 1
+        self.ops = 0
+
+    def _write(self, key: str, value: bytes) -> Versioned:
+        item = Versioned(value, self._next_version)
+        self._next_version += 1
+        self._data[key] = item
+        self._lock.notify_all()
+        return item
+
+    def get(self, key: str) -> Versioned | None:
+        with self._lock:
+            self.ops += 1
+            return self._data.get(key)
+
+    def compare_and_set(self, key, expected_version, value):
+        with self._lock:
+            self.ops += 1
+            current = self._data.get(key)
+            current_version = current.version if current else 0
+            if current_version != expected_version:
+                return False, current
+            return True, self._write(key, value)
+
+    def add(self, key: str, delta: int) -> int:
+        with self._lock:
+            self.ops += 1
+            current = self._data.get(key)
+            count = (int(current.value) if current else 0) + delta
+            if current is None or delta != 0:
+                self._write(key, str(count).encode())
+            return count
+
+    def wait_for_change(self, key, version, timeout):
+        deadline = self._clock() + timeout
+        with self._lock:
+            self.ops += 1
+            while True:
+                current = self._data.get(key)
+                if (current.version if current else 0) != version:
+                    return current
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return current
+                self._lock.wait(remaining)
+
+    def liveness(self, node_id: str, dead_after: float) -> Liveness:
+        return CounterLiveness(self, node_id, dead_after, "/liveness/", self._clock)
+
+    def delete_prefix(self, prefix: str) -> None:
+        with self._lock:
+            self.ops += 1
+            for key in [k for k in self._data if k.startswith(prefix)]:
+                del self._data[key]
+            self._lock.notify_all()
+
+    def keys(self) -> list[str]:
+        """Every key now stored (tests check that nothing is left behind)."""
+        with self._lock:
+            return sorted(self._data)
+
+
+class CountingStore(Store):
+    """Wraps a store and counts one agent's operations (the O(1)-per-node tests and benchmark)."""
+
+    def __init__(self, inner: Store):
+        self.inner = inner
+        self.ops = 0
+
+    def get(self, key):
+        self.ops += 1
+        return self.inner.get(key)
+
+    def get_many(self, keys):
+        self.ops += 1
+        return self.inner.get_many(keys)
+
+    def compare_and_set(self, key, expected_version, value):
+        self.ops += 1
+        return self.inner.compare_and_set(key, expected_version, value)
+
+    def add(self, key, delta):
+        self.ops += 1
+        return self.inner.add(key, delta)
+
+    def wait_for_change(self, key, version, timeout):
+        self.ops += 1
+        return self.inner.wait_for_change(key, version, timeout)
+
+    def liveness(self, node_id, dead_after):
+        return _CountingLiveness(self, self.inner.liveness(node_id, dead_after))
+
+    def delete_prefix(self, prefix):
+        self.ops += 1
+        self.inner.delete_prefix(prefix)
+
+    def close(self):
+        self.inner.close()
+
+
+class _CountingLiveness(Liveness):
+    def __init__(self, owner: CountingStore, inner: Liveness):
+        self._owner = owner
+        self._inner = inner
+
+    def beat(self):
+        self._owner.ops += 1
+        self._inner.beat()
+
+    def is_alive(self, node_id):
+        self._owner.ops += 1
+        return self._inner.is_alive(node_id)
+
+    def close(self):
+        self._inner.close()

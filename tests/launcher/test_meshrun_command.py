@@ -1,0 +1,152 @@
+"""The ``meshrun`` command as a user meets it: real subprocesses for bad input (exit 2, one
+stderr line, nothing written), --help, --version; in-process for dispatch to the agent and to
+subcommands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import click
+import pytest
+
+from meshrun.launcher import cli
+from meshrun.launcher.subcommands import SUBCOMMANDS
+
+pytestmark = pytest.mark.timeout(60)
+
+BAD_INPUTS = {
+    "no arguments": [],
+    "unknown flag": ["--bogus", "train.py"],
+    "misspelt flag": ["--nnode", "2", "train.py"],
+    "flag without value": ["--nnodes"],
+    "value for a flag": ["--standalone=1", "train.py"],
+    "nnodes 0": ["--nnodes", "0", "train.py"],
+    "nnodes 3:2": ["--nnodes", "3:2", "train.py"],
+    "nproc garbage": ["--nproc-per-node", "lots", "train.py"],
+    "nproc gpu without gpus": ["--nproc-per-node", "gpu", "train.py"],
+    "missing script": ["--nproc-per-node", "2", "missing.py", "--lr", "1"],
+    "missing run-path script": ["--run-path", "missing.py"],
+    "missing no-python command": ["--no-python", "./no-such-program"],
+    "no-python command not on PATH": ["--no-python", "no-such-program-xyz"],
+    "missing config": ["--config", "missing.toml", "train.py"],
+    "unreadable config": ["--config", ".", "train.py"],
+    "invalid toml": ["--config", "broken.toml", "train.py"],
+    "unknown config key": ["--config", "unknown_key.toml", "train.py"],
+    "malformed rdzv-conf": ["--rdzv-conf", "join_timeout", "train.py"],
+    "rdzv-conf timeout and join_timeout": ["--rdzv-conf", "timeout=1,join_timeout=1", "train.py"],
+    "etcd-v2": ["--rdzv-backend", "etcd-v2", "--nnodes", "2", "train.py"],
+    "unknown backend": ["--rdzv-backend", "zk", "train.py"],
+    "bad redirects": ["-r", "9", "train.py"],
+    "bad signal": ["--signals-to-handle", "SIGNOPE", "train.py"],
+    "module with no-python": ["-m", "--no-python", "pkg"],
+}
+
+
+@pytest.fixture
+def cwd(tmp_path: Path) -> Path:
+    (tmp_path / "train.py").write_text("raise SystemExit('must not run')\n")
+    (tmp_path / "broken.toml").write_text("nnodes = [\n")
+    (tmp_path / "unknown_key.toml").write_text("nproc_per_nodes = 2\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_one_line_and_exit_2(cwd: Path, args: list[str], run_meshrun):
+    before = sorted(p.name for p in cwd.iterdir())
+    proc = run_meshrun(args, cwd, CUDA_VISIBLE_DEVICES="", PATH=os.defpath)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("meshrun: error: "), proc.stderr
+    assert proc.stdout == ""
+    assert sorted(p.name for p in cwd.iterdir()) == before
+
+
+def test_bad_pet_value_is_one_line(cwd: Path, run_meshrun):
+    proc = run_meshrun(["train.py"], cwd, PET_NNODES="3:2")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "meshrun: error: PET_NNODES=3:2: MIN must not exceed MAX (got MIN=3, MAX=2); "
+        "give N or MIN:MAX with 1 <= MIN <= MAX"
+    ]
+
+
+def test_help_and_version(cwd: Path, run_meshrun):
+    for flag in ("--help", "-h"):
+        proc = run_meshrun([flag], cwd)
+        assert proc.returncode == 0 and "Usage: meshrun [OPTIONS] SCRIPT [ARGS]..." in proc.stdout
+        assert "--nproc-per-node" in proc.stdout and "Rendezvous" in proc.stdout
+    proc = run_meshrun(["--version"], cwd)
+    assert proc.returncode == 0 and proc.stdout.strip() == "meshrun, version 0.1.0"
+
+
+def test_parsing_does_not_import_torch(cwd: Path, meshrun_env):
+    code = (
+        "import sys, os\n"
+        "from meshrun.launcher import build_config\n"
+        "c = build_config(['--nproc-per-node', 'auto', '--nnodes', '1:2', 'train.py'], os.environ)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(c.nproc_per_node)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=meshrun_env(), capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+# -- in-process: main() hands the config to the agent, or to a subcommand --------------------
+
+
+@pytest.fixture
+def fake_agent(monkeypatch: pytest.MonkeyPatch):
+    seen = []
+
+    class Agent:
+        def __init__(self, config):
+            seen.append(config)
+
+        def run(self) -> int:
+            return 7
+
+    monkeypatch.setitem(sys.modules, "meshrun.agent", types.SimpleNamespace(Agent=Agent))
+    return seen
+
+
+def test_main_runs_the_agent_and_exits_with_its_code(workdir, fake_agent):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--nproc-per-node", "2", "train.py", "--lr", "1"])
+    assert info.value.code == 7
+    assert fake_agent[0].nproc_per_node == 2 and fake_agent[0].args == ("--lr", "1")
+
+
+def test_main_bad_input_never_reaches_the_agent(workdir, fake_agent, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--nnodes", "3:2", "train.py"])
+    assert info.value.code == 2 and fake_agent == []
+    assert capsys.readouterr().err.startswith("meshrun: error: --nnodes 3:2: ")
+
+
+def test_subcommand_dispatch_and_existing_file_wins(workdir, fake_agent, monkeypatch, capsys):
+    @click.command()
+    @click.option("--job", required=True)
+    def probe(job: str) -> int:
+        return 5
+
+    monkeypatch.setitem(SUBCOMMANDS, "probe", probe)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["probe", "--job", "j"])
+    assert info.value.code == 5 and fake_agent == []
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["probe", "--nope"])
+    assert info.value.code == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
+
+    (workdir / "probe").write_text("")  # a file named like the subcommand is the script
+    with pytest.raises(SystemExit) as info:
+        cli.main(["probe", "--job", "j"])
+    assert info.value.code == 7 and fake_agent[0].entrypoint[-1] == "probe"
