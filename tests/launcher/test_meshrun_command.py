@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import click
@@ -101,36 +100,24 @@ def test_parsing_does_not_import_torch(cwd: Path, meshrun_env):
 # -- in-process: main() hands the config to the agent, or to a subcommand --------------------
 
 
-@pytest.fixture
-def fake_agent(monkeypatch: pytest.MonkeyPatch):
-    seen = []
-
-    class Agent:
-        def __init__(self, config):
-            seen.append(config)
-
-        def run(self) -> int:
-            return 7
-
-    monkeypatch.setitem(sys.modules, "meshrun.agent", types.SimpleNamespace(Agent=Agent))
-    return seen
-
-
-def test_main_runs_the_agent_and_exits_with_its_code(workdir, fake_agent):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["--nproc-per-node", "2", "train.py", "--lr", "1"])
-    assert info.value.code == 7
-    assert fake_agent[0].nproc_per_node == 2 and fake_agent[0].args == ("--lr", "1")
+@pytest.mark.timeout(60)
+def test_main_runs_the_agent_and_exits_with_its_code(workdir, meshrun_env):
+    script = workdir / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "ok = sys.argv[1:] == ['--lr', '1', '--nnodes', '5'] and os.environ['WORLD_SIZE'] == '2'\n"
+        "sys.exit(7 if ok else 1)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshrun", "--nproc-per-node", "2", "train.py",
+         "--lr", "1", "--nnodes", "5"],
+        cwd=workdir, env=meshrun_env(), capture_output=True, text=True, timeout=50,
+    )  # fmt: skip
+    assert proc.returncode == 7, proc.stderr
 
 
-def test_main_bad_input_never_reaches_the_agent(workdir, fake_agent, capsys):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["--nnodes", "3:2", "train.py"])
-    assert info.value.code == 2 and fake_agent == []
-    assert capsys.readouterr().err.startswith("meshrun: error: --nnodes 3:2: ")
-
-
-def test_subcommand_dispatch_and_existing_file_wins(workdir, fake_agent, monkeypatch, capsys):
+@pytest.mark.timeout(60)
+def test_subcommand_dispatch_and_existing_file_wins(workdir, monkeypatch, capsys):
     @click.command()
     @click.option("--job", required=True)
     def probe(job: str) -> int:
@@ -139,14 +126,15 @@ def test_subcommand_dispatch_and_existing_file_wins(workdir, fake_agent, monkeyp
     monkeypatch.setitem(SUBCOMMANDS, "probe", probe)
     with pytest.raises(SystemExit) as info:
         cli.main(["probe", "--job", "j"])
-    assert info.value.code == 5 and fake_agent == []
+    assert info.value.code == 5
 
     with pytest.raises(SystemExit) as info:
         cli.main(["probe", "--nope"])
     assert info.value.code == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
 
-    (workdir / "probe").write_text("")  # a file named like the subcommand is the script
+    # a file named like the subcommand is the script, run by the real agent
+    (workdir / "probe").write_text("import sys\nsys.exit(7 if sys.argv[1:] == ['--job', 'j'] else 1)\n")
     with pytest.raises(SystemExit) as info:
         cli.main(["probe", "--job", "j"])
-    assert info.value.code == 7 and fake_agent[0].entrypoint[-1] == "probe"
+    assert info.value.code == 7
