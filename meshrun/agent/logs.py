@@ -9,8 +9,11 @@ tails them every 0.1 s). Each chunk goes
 - to the console (the agent's stdout or stderr) when asked, with the rank prefix inserted at the
   start of every line: after each ``\\n`` and after each ``\\r``, so a tqdm bar that redraws
   itself with ``\\r`` still renders, prefixed. A partial line is written at once; the prefix
-  is inserted where the next line starts. One lock serializes console writes, so a chunk of
-  one worker is never interleaved with another's;
+  is inserted where the next line starts. A :class:`Console` serializes the writes of all
+  workers, so one chunk is never interleaved with another's; and while one worker's line is
+  unfinished on the console, another worker's output waits for it up to ``Console.hold_s``
+  (0.1 s), then breaks the line. ``print`` under ``python -u`` writes the text and the
+  ``\\n`` separately; without the hold, two ranks printing together would mangle lines;
 - for stderr, into a bounded in-memory tail (:class:`StderrTail`) for the failure report;
 - to the filtered file, for lines that contain any of the duplicate filters.
 
@@ -30,14 +33,13 @@ import fcntl
 import os
 import re
 import select
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
-__all__ = ["CONSOLE_LOCK", "FilteredSink", "LinePrefixer", "PipeForwarder", "StderrTail"]
-
-#: Serializes console writes from all forwarders in the process.
-CONSOLE_LOCK = threading.Lock()
+__all__ = ["Console", "FilteredSink", "LinePrefixer", "PipeForwarder", "StderrTail", "console"]
 
 _CHUNK = 65536
 # A line: any run of non-terminators, then a terminator (or end of data: a partial line).
@@ -71,6 +73,77 @@ class LinePrefixer:
             self._at_line_start = seg.endswith((b"\n", b"\r"))
             self._after_cr = seg.endswith(b"\r")
         return b"".join(out)
+
+    def break_line(self) -> None:
+        """Another writer ended this stream's console line: prefix the next byte."""
+        self._at_line_start = True
+        self._after_cr = False
+
+
+class Console:
+    """One console stream shared by the workers' forwarders (the agent's stdout, or stderr).
+
+    Each forwarder writes through :meth:`write` with its own :class:`LinePrefixer`. Writes are
+    serialized (a chunk is written and flushed whole). A worker whose last write left a line
+    unfinished (no trailing ``\\n``) "holds" the console line: another worker's write waits
+    until that line ends, at most ``hold_s`` seconds after the holder's last write, then ends
+    it with ``\\n`` itself (the holder's next output starts a new, prefixed line). A line that
+    ends in ``\\r`` (a progress bar) is broken at once, without waiting, so a bar on one rank
+    never slows the others. The holder is never delayed: its partial lines appear at once.
+
+    Args:
+        stream: a function returning the binary stream to write to, called per write (so a
+            replaced ``sys.stdout`` is honoured).
+        hold_s: the longest another worker's unfinished line delays a write, in seconds.
+
+    Errors writing (a closed terminal) are ignored; the log files still get everything.
+    """
+
+    def __init__(self, stream: Callable[[], BinaryIO], hold_s: float = 0.1) -> None:
+        self._stream = stream
+        self.hold_s = hold_s
+        self._cond = threading.Condition()
+        self._holder: LinePrefixer | None = None  # whose line is unfinished on the console
+        self._held_at = 0.0  # monotonic time of the holder's last write
+        self._worth_waiting = False  # False for a line ended by "\r" (a progress bar state)
+
+    def write(self, writer: LinePrefixer, data: bytes) -> None:
+        """Write ``data`` from ``writer``'s worker, with its prefix at each line start."""
+        if not data:
+            return
+        with self._cond:
+            if self._holder not in (None, writer) and self._worth_waiting:
+                remaining = self._held_at + self.hold_s - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait_for(lambda: self._holder in (None, writer), remaining)
+            out = writer.feed(data)
+            if self._holder not in (None, writer):
+                out = b"\n" + out
+                self._holder.break_line()
+            if data.endswith(b"\n"):
+                self._holder = None
+            else:
+                self._holder, self._held_at = writer, time.monotonic()
+                self._worth_waiting = not data.endswith(b"\r")
+            try:
+                stream = self._stream()
+                stream.write(out)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+            self._cond.notify_all()
+
+
+#: The agent's own stdout and stderr (``sys.stdout.buffer`` / ``sys.stderr.buffer``).
+_CONSOLES = {
+    "stdout": Console(lambda: sys.stdout.buffer),
+    "stderr": Console(lambda: sys.stderr.buffer),
+}
+
+
+def console(name: str) -> Console:
+    """The process-wide :class:`Console` for ``"stdout"`` or ``"stderr"``."""
+    return _CONSOLES[name]
 
 
 class StderrTail:
@@ -158,15 +231,11 @@ class PipeForwarder:
     Args:
         fd: the read end of the pipe; the forwarder owns it and closes it.
         log_path: the per-rank log file (created/truncated), written byte for byte.
-        console: a function returning the binary stream to copy to (resolved per chunk, so a
-            replaced ``sys.stdout`` is honoured), or None for no console copy.
+        console: the :class:`Console` to copy to, or None for no console copy.
         prefix: inserted at each line start of the console copy ("" = none).
         tail: where to keep the last lines (stderr), or None.
         filtered: a ``FilteredSink.line_filter`` feeder, or None.
         name: the thread's name.
-
-    Errors writing to the console (a closed terminal) are ignored; the log file still gets
-    everything.
     """
 
     def __init__(
@@ -174,7 +243,7 @@ class PipeForwarder:
         fd: int,
         log_path: os.PathLike | str,
         *,
-        console: Callable[[], BinaryIO] | None = None,
+        console: Console | None = None,
         prefix: str = "",
         tail: StderrTail | None = None,
         filtered: Callable[[bytes, bool], None] | None = None,
@@ -260,11 +329,4 @@ class PipeForwarder:
         if self._filtered is not None:
             self._filtered(chunk, False)
         if self._console is not None:
-            data = self._prefixer.feed(chunk)
-            with CONSOLE_LOCK:
-                try:
-                    out = self._console()
-                    out.write(data)
-                    out.flush()
-                except (OSError, ValueError):
-                    pass
+            self._console.write(self._prefixer, chunk)

@@ -26,7 +26,6 @@ import os
 import signal as _signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +36,7 @@ from typing import BinaryIO
 import psutil
 
 from meshrun.agent.errors import WorkerFailure, read_error_file
-from meshrun.agent.logs import FilteredSink, PipeForwarder, StderrTail
+from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
 from meshrun.agent.reaper import Reaper, scan_processes
 
 __all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState"]
@@ -155,8 +154,12 @@ class WorkerGroup:
         self._stdout_filters = list(duplicate_stdout_filters)
         self._stderr_filters = list(duplicate_stderr_filters)
         self._filtered_dir = Path(filtered_dir) if filtered_dir is not None else None
-        self._console_stdout = console_stdout
-        self._console_stderr = console_stderr
+        self._stdout_console = (
+            Console(lambda: console_stdout) if console_stdout else console("stdout")
+        )
+        self._stderr_console = (
+            Console(lambda: console_stderr) if console_stderr else console("stderr")
+        )
         self._host = socket.gethostname()
 
         self._cond = threading.Condition()
@@ -339,32 +342,43 @@ class WorkerGroup:
         finally:
             os.close(out_w)
             os.close(err_w)
-        if self._reaper is not None:
-            self._reaper.watch(proc.pid)  # pgid == pid: the worker leads its own session
-        prefix = spec.prefix
-        tail = StderrTail()
-        name = f"meshrun-rank{spec.global_rank}"
-        stdout = PipeForwarder(
-            out_fd,
-            log_dir / "stdout.log",
-            console=self._console(self._console_stdout, "stdout") if spec.console_out else None,
-            prefix=prefix,
-            filtered=out_filter.line_filter(prefix.encode())
-            if out_filter and spec.console_out
-            else None,
-            name=f"{name}-stdout",
-        )
-        stderr = PipeForwarder(
-            err_fd,
-            log_dir / "stderr.log",
-            console=self._console(self._console_stderr, "stderr") if spec.console_err else None,
-            prefix=prefix,
-            tail=tail,
-            filtered=err_filter.line_filter(prefix.encode())
-            if err_filter and spec.console_err
-            else None,
-            name=f"{name}-stderr",
-        )
+        try:
+            if self._reaper is not None:
+                self._reaper.watch(proc.pid)  # pgid == pid: the worker leads its own session
+            prefix = spec.prefix
+            tail = StderrTail()
+            name = f"meshrun-rank{spec.global_rank}"
+            stdout = PipeForwarder(
+                out_fd,
+                log_dir / "stdout.log",
+                console=self._stdout_console if spec.console_out else None,
+                prefix=prefix,
+                filtered=out_filter.line_filter(prefix.encode())
+                if out_filter and spec.console_out
+                else None,
+                name=f"{name}-stdout",
+            )
+            stderr = PipeForwarder(
+                err_fd,
+                log_dir / "stderr.log",
+                console=self._stderr_console if spec.console_err else None,
+                prefix=prefix,
+                tail=tail,
+                filtered=err_filter.line_filter(prefix.encode())
+                if err_filter and spec.console_err
+                else None,
+                name=f"{name}-stderr",
+            )
+        except BaseException:
+            # Not tracked yet: nothing else would ever stop this process.
+            _quiet_killpg(proc.pid, _signal.SIGKILL)
+            proc.wait()
+            for fd in (out_fd, err_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise
         worker = _Worker(spec, proc, stdout, stderr, tail, host=spec.host or self._host)
         stdout.start()
         stderr.start()
@@ -381,13 +395,6 @@ class WorkerGroup:
             worker.exitcode = code
             worker.exit_ms = ms
             self._cond.notify_all()
-
-    @staticmethod
-    def _console(stream: BinaryIO | None, name: str):
-        if stream is not None:
-            return lambda: stream
-        # Resolved at each write, so a replaced sys.stdout (pytest, a logging redirect) is used.
-        return lambda: getattr(sys, name).buffer
 
     def _descendants(self) -> list[psutil.Process]:
         """Live descendants of live workers, wherever their process group is."""

@@ -168,6 +168,7 @@ class Rendezvous:
         self._prefix = f"/meshrun/{settings.run_id}/"
         self._joined: tuple[int, int] | None = None  # (round, seq) we hold a slot in
         self._spare_noted = -1
+        self._watched_round = -1  # the running round a waiting node watches a member of
         self.info: RendezvousInfo | None = None
         self._heartbeat = _Heartbeat(store, me.node_id, settings)
 
@@ -236,8 +237,16 @@ class Rendezvous:
             state, version = self.read_state()
             self._raise_if_ended(state)
             if state.round < target:
-                # A round runs; we wait for it to end (no join timeout while a job runs).
-                self.store.wait_for_change(self._key("state"), version, _IDLE_WAIT)
+                # A round runs; we wait for it to end (no join timeout while a job runs), and
+                # watch one of its members: if every member died, only we can tell.
+                self._watch_running_round(state.round)
+                lost = self._heartbeat.lost_neighbour
+                if lost is not None:
+                    self.request_restart(f"node {lost} lost", failure=False, round=state.round)
+                    continue
+                self.store.wait_for_change(
+                    self._key("state"), version, min(_IDLE_WAIT, s.keep_alive_interval)
+                )
                 self._heartbeat.check()
                 continue
             now = self._clock()
@@ -263,6 +272,14 @@ class Rendezvous:
                 wait_key, until = closed_key, min(last_call_at, deadline)
             self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
             self._heartbeat.check()
+
+    def _watch_running_round(self, round: int) -> None:
+        if self._watched_round == round:
+            return
+        closed = self.store.get(self._round_key(round, "closed"))
+        if closed is not None:
+            self._heartbeat.watch(json.loads(closed.value)[0]["node_id"])
+            self._watched_round = round
 
     def _try_close(self, target: int, count: int) -> None:
         """Close round ``target`` with the first ``count`` joiners (one compare-and-set)."""
@@ -335,18 +352,19 @@ class Rendezvous:
                 return self.request_restart(reason, failure=False)
         return None
 
-    def request_restart(self, reason: str, *, failure: bool) -> str:
+    def request_restart(self, reason: str, *, failure: bool, round: int | None = None) -> str:
         """Move the job past the current round (one compare-and-set; retried on races).
 
         With ``failure=True`` one restart of the job's budget is spent, or, when it is spent,
         the job is marked failed and `JobFailed` is raised. If another node already moved the
-        round on, nothing more is spent. Returns the reason of the restart.
+        round on, nothing more is spent. Returns the reason of the restart. ``round`` defaults
+        to the round this node is a member of (a waiting node names the running round).
         """
-        info = self.info
+        round = self.info.round if round is None else round
         while True:
             state, version = self.read_state()
             self._raise_if_ended(state)
-            if state.round != info.round:
+            if state.round != round:
                 return state.reason
             new = next_state(
                 state, failure=failure, reason=reason, max_restarts=self.settings.max_restarts

@@ -1,0 +1,162 @@
+"""Failure records and the report: torch's error file, the stderr fallback, ordering."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshrun.agent.errors import WorkerFailure, format_report, read_error_file, root_cause
+from meshrun.agent.workers import WorkerGroup, WorkerSpec, WorkerState
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def failure(rank: int, ts: int, **kw) -> WorkerFailure:
+    kw.setdefault("exitcode", 1)
+    return WorkerFailure(
+        local_rank=rank % 2, global_rank=rank, pid=1000 + rank, timestamp_ms=ts, host="node-a", **kw
+    )
+
+
+def run_group(tmp_path: Path, argv: tuple[str, ...]) -> WorkerFailure:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "rank0" / "error.json"),
+    }
+    spec = WorkerSpec(0, 0, argv, env, tmp_path / "rank0", False, False, node_rank=2)
+    group = WorkerGroup([spec], None)
+    group.start()
+    try:
+        result = group.wait(40)
+    finally:
+        group.stop(grace=1)
+    assert result is not None and result.state is WorkerState.FAILED
+    return result.failures[0]
+
+
+def test_real_torch_record_error_file_is_read_and_reported(tmp_path):
+    f = run_group(tmp_path, (sys.executable, "-u", str(SCRIPTS / "record_fail.py")))
+    record = read_error_file(tmp_path / "rank0" / "error.json")
+    assert record is not None
+    message, tb, ts = record
+    assert message == "ValueError: loss is nan at step 42"
+    assert "Traceback (most recent call last)" in tb and 'raise ValueError("loss is nan' in tb
+    assert isinstance(ts, int) and ts > 1_600_000_000
+    assert (f.message, f.traceback, f.source, f.exitcode) == (message, tb, "error.json", 1)
+    assert (f.node_rank, f.host) == (2, os.uname().nodename)
+    report = format_report([f])
+    assert "ValueError: loss is nan at step 42" in report
+    assert 'raise ValueError("loss is nan at step 42")' in report
+    assert "exit code 1" in report and str(f.stderr_path) in report
+    assert "N/A" not in report
+
+
+def test_stderr_tail_is_the_fallback_and_signal_is_named(tmp_path):
+    code = (
+        "import os, sys\n"
+        "for i in range(100): print(f'log line {i}', file=sys.stderr)\n"
+        "sys.stderr.flush(); os.kill(os.getpid(), 9)\n"
+    )
+    f = run_group(tmp_path, (sys.executable, "-u", "-c", code))
+    assert (f.exitcode, f.signal_name, f.exit_status, f.source) == (-9, "SIGKILL", 137, "stderr")
+    lines = f.traceback.splitlines()
+    assert len(lines) == 50 and lines[0] == "log line 50" and lines[-1] == "log line 99"
+    report = format_report([f])
+    assert "signal SIGKILL (exit status 137)" in report
+    assert "log line 99" in report and "stderr (last lines)" in report
+    assert "node rank 2" in report
+
+
+def test_read_error_file_tolerates_other_shapes(tmp_path):
+    p = tmp_path / "e.json"
+    assert read_error_file(p) is None  # missing
+    assert read_error_file(None) is None
+    p.write_text("{not json")
+    assert read_error_file(p) is None
+    p.write_text("[1, 2]")
+    assert read_error_file(p) is None
+    p.write_text('{"message": "plain text", "timestamp": 12}')
+    assert read_error_file(p) == ("plain text", "", 12)
+    p.write_text('{"message": {"message": "m", "extraInfo": {"timestamp": "x"}}}')
+    assert read_error_file(p) == ("m", "", None)
+
+
+def test_root_cause_is_the_earliest_then_the_lowest_rank():
+    fs = [failure(3, 200), failure(2, 100), failure(1, 100), failure(0, 300)]
+    assert root_cause(fs).global_rank == 1
+    assert root_cause(reversed(fs)).global_rank == 1
+    with pytest.raises(ValueError):
+        root_cause([])
+
+
+def test_report_lists_the_root_cause_first_then_each_other_rank():
+    fs = [
+        failure(3, 1_000_250, exitcode=-int(signal.SIGTERM), stderr_path="/l/3/stderr.log"),
+        failure(
+            1,
+            1_000_000,
+            exitcode=7,
+            message="RuntimeError: NCCL timeout",
+            traceback="Traceback (most recent call last):\n  boom\nRuntimeError: x\n",
+            source="error.json",
+            stderr_path="/l/1/stderr.log",
+            stdout_path="/l/1/stdout.log",
+        ),
+    ]
+    report = format_report(fs, title="meshrun: job failed (round 4)")
+    assert report.splitlines()[1] == "meshrun: job failed (round 4)"
+    root = report.index("Root cause")
+    assert root < report.index("rank       : 1 (local rank 1)") < report.index("Other failures (1)")
+    assert "exit code 7" in report and "RuntimeError: NCCL timeout" in report
+    assert "traceback (error.json)" in report and "    RuntimeError: x" in report
+    assert "/l/1/stderr.log" in report and "/l/1/stdout.log" in report
+    [other] = [line for line in report.splitlines() if line.startswith("  rank 3")]
+    assert "signal SIGTERM (exit status 143)" in other and "+250 ms" in other
+    assert "/l/3/stderr.log" in other
+
+
+def test_report_without_any_output_says_how_to_get_a_traceback():
+    report = format_report([failure(0, 5, exitcode=2)])
+    assert "@record" in report and "N/A" not in report
+
+
+def test_failure_json_round_trip_and_exit_status():
+    f = failure(5, 123, exitcode=-11, message="m", traceback="t", node_rank=1)
+    assert WorkerFailure.from_json(f.to_json()) == f
+    assert (f.signal_name, f.exit_status, f.describe_exit()) == (
+        "SIGSEGV",
+        139,
+        "signal SIGSEGV (exit status 139)",
+    )
+    assert (
+        WorkerFailure.from_json(
+            '{"local_rank": 0, "global_rank": 0, "pid": 1, '
+            '"exitcode": 3, "timestamp_ms": 0, "future": 1}'
+        ).exitcode
+        == 3
+    )
+    with pytest.raises(ValueError):
+        WorkerFailure.from_json("[]")
+    assert failure(0, 0, exitcode=0).signal_name is None
+
+
+def test_agent_modules_do_not_import_torch():
+    code = (
+        "import sys, meshrun.agent.workers, meshrun.agent.reaper, meshrun.agent.errors, "
+        "meshrun.agent.logs; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=True,
+        timeout=30,
+    )

@@ -1,0 +1,248 @@
+"""The rendezvous protocol with real threads on the in-memory store.
+
+Each "node" is a thread running `Rendezvous`; short timeouts keep these fast. The randomized
+test asserts the protocol's invariant: no two nodes ever see different memberships for the
+same round.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+
+from meshrun.rendezvous import (
+    JobFailed,
+    JobFinished,
+    MemoryStore,
+    NodeDesc,
+    Rendezvous,
+    RendezvousSettings,
+    RendezvousTimeoutError,
+)
+from meshrun.rendezvous.store import CountingStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def settings(min_nodes, max_nodes, **kw):
+    kw.setdefault("last_call_timeout", 0.1)
+    kw.setdefault("join_timeout", 10.0)
+    kw.setdefault("keep_alive_interval", 0.05)
+    kw.setdefault("keep_alive_max_attempt", 4)
+    return RendezvousSettings(run_id="job", min_nodes=min_nodes, max_nodes=max_nodes, **kw)
+
+
+def make_node(store, s, name, nproc=1, hint=None):
+    me = NodeDesc(node_id=name, addr="127.0.0.1", nproc=nproc, node_rank_hint=hint)
+    return Rendezvous(store, s, me, host_bootstrap=lambda: ("127.0.0.1", 4000))
+
+
+def run_all(fns):
+    """Run callables on threads; return their results (or exceptions) in order."""
+    results = [None] * len(fns)
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            results[i] = e
+
+    threads = [threading.Thread(target=wrap, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_max_nodes_close_at_once_with_contiguous_ranks():
+    store, s = MemoryStore(), settings(2, 3)
+    nodes = [make_node(store, s, f"n{i}", nproc=i + 1) for i in range(3)]
+    infos = run_all([n.next_round for n in nodes])
+    assert {i.node_rank for i in infos} == {0, 1, 2}
+    assert len({i.nodes for i in infos}) == 1  # one membership
+    assert all(i.world_size == 6 for i in infos)  # heterogeneous nproc: 1 + 2 + 3
+    offsets = sorted((i.rank_offset, i.local_world_size) for i in infos)
+    assert [o for o, _ in offsets] == [0, offsets[0][1], offsets[0][1] + offsets[1][1]]
+    assert all((i.master_addr, i.master_port) == ("127.0.0.1", 4000) for i in infos)
+    for n in nodes:
+        n.close()
+
+
+def test_min_nodes_close_after_last_call():
+    store, s = MemoryStore(), settings(1, 4, last_call_timeout=0.3)
+    node = make_node(store, s, "solo")
+    start = time.monotonic()
+    info = node.next_round()
+    assert info.num_nodes == 1 and 0.3 <= time.monotonic() - start < 3
+    node.close()
+
+
+def test_join_timeout_when_fewer_than_min():
+    store, s = MemoryStore(), settings(2, 2, join_timeout=0.3)
+    node = make_node(store, s, "lonely")
+    with pytest.raises(RendezvousTimeoutError, match="fewer than the minimum 2"):
+        node.next_round()
+    node.close()
+
+
+def test_node_rank_hints_are_honoured():
+    store, s = MemoryStore(), settings(3, 3)
+    nodes = [make_node(store, s, f"n{i}", hint=2 - i) for i in range(3)]
+    infos = run_all([n.next_round for n in nodes])
+    assert [i.node_rank for i in infos] == [2, 1, 0]
+    for n in nodes:
+        n.close()
+
+
+def test_failure_spends_the_shared_budget_once_per_round():
+    store, s = MemoryStore(), settings(2, 2, max_restarts=1)
+    a, b = make_node(store, s, "a"), make_node(store, s, "b")
+    run_all([a.next_round, b.next_round])
+    # both nodes see a failure in the same round: one restart is spent, not two
+    run_all([lambda: a.request_restart("x", failure=True), lambda: b.request_restart("y", failure=True)])
+    infos = run_all([a.next_round, b.next_round])
+    assert [i.round for i in infos] == [1, 1] and [i.restart_count for i in infos] == [1, 1]
+    # the next failure exhausts the budget: the job fails, and the other node hears of it
+    with pytest.raises(JobFailed):
+        a.request_restart("again", failure=True)
+    with pytest.raises(JobFailed):
+        b.poll()
+    a.close()
+    b.close()
+
+
+def test_scale_up_a_waiting_node_triggers_a_new_round():
+    store, s = MemoryStore(), settings(1, 2)
+    a = make_node(store, s, "a")
+    assert a.next_round().num_nodes == 1
+    b = make_node(store, s, "b")
+    joined = run_all([b.next_round, lambda: _restart_on_poll(a)])
+    info_b, info_a = joined
+    assert info_a.round == info_b.round == 1
+    assert info_a.nodes == info_b.nodes and info_a.node_rank == 0  # the old member keeps rank 0
+    assert info_a.restart_count == 0  # a membership change spends nothing
+    a.close()
+    b.close()
+
+
+def _restart_on_poll(node):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reason = node.poll()
+        if reason is not None:
+            assert "waiting" in reason
+            return node.next_round()
+        time.sleep(0.02)
+    raise AssertionError("no restart")
+
+
+def test_scale_down_lost_node_detected_and_survivor_continues():
+    store, s = MemoryStore(), settings(1, 2)
+    a, b = make_node(store, s, "a"), make_node(store, s, "b")
+    run_all([a.next_round, b.next_round])
+    b.close()  # b dies: it stops beating
+    start = time.monotonic()
+    reason = None
+    while reason is None and time.monotonic() - start < 5:
+        reason = a.poll()
+        time.sleep(0.02)
+    assert reason is not None and "lost" in reason
+    assert time.monotonic() - start < s.dead_after + 1
+    info = a.next_round()
+    assert info.num_nodes == 1 and info.restart_count == 0
+    a.close()
+
+
+def test_spare_waits_then_exits_when_the_job_succeeds():
+    store, s = MemoryStore(), settings(1, 2)
+    a, b, c = (make_node(store, s, n) for n in "abc")
+    infos = run_all([a.next_round, b.next_round])
+    assert {i.num_nodes for i in infos} == {2}
+    spare_result = []
+    t = threading.Thread(target=lambda: spare_result.append(_catch(c.next_round)), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert a.poll() is None  # the round is full: a spare does not restart it
+    run_all([lambda: a.exit_barrier(0.05), lambda: b.exit_barrier(0.05)])
+    t.join(10)
+    assert isinstance(spare_result[0], JobFinished)
+    for n in (a, b, c):
+        n.close()
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001
+        return e
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_orders_never_split_a_round(seed):
+    """Random join delays, deaths and restarts: every round has exactly one membership."""
+    rng = random.Random(seed)
+    store = MemoryStore()
+    n_nodes = rng.randint(2, 6)
+    s = settings(rng.randint(1, 2), rng.randint(2, 4), last_call_timeout=rng.choice([0.02, 0.1]),
+                 join_timeout=3.0, max_restarts=3)
+    seen: dict[int, set] = {}
+    lock = threading.Lock()
+
+    def life(i):
+        node = make_node(store, s, f"n{i}", hint=rng.choice([None, i]))
+        time.sleep(rng.random() * 0.2)
+        try:
+            for _ in range(3):
+                info = node.next_round()
+                with lock:
+                    seen.setdefault(info.round, set()).add(tuple(d.node_id for d in info.nodes))
+                action = rng.random()
+                if action < 0.2:
+                    return  # dies without a word (heartbeats stop at close)
+                if action < 0.5:
+                    node.request_restart("random failure", failure=True)
+                else:  # run a while; finish (exit barrier) unless the round moves on
+                    deadline = time.monotonic() + rng.random()
+                    while time.monotonic() < deadline and node.poll() is None:
+                        time.sleep(0.01)
+                    if node.poll() is None and node.exit_barrier(0.02) is None:
+                        return
+        except (JobFailed, JobFinished, RendezvousTimeoutError):
+            pass
+        finally:
+            node.close()
+
+    run_all([lambda i=i: life(i) for i in range(n_nodes)])
+    assert seen, "no round completed"
+    for round_, memberships in seen.items():
+        assert len(memberships) == 1, f"round {round_} split: {memberships}"
+
+
+@pytest.mark.timeout(120)
+def test_store_operations_per_node_do_not_grow_with_n():
+    """O(1) store operations per agent per round: join, wait, close, read, polls, barrier.
+
+    Keep-alives cost 2 operations per ``keep_alive_interval`` (a beat and one neighbour read)
+    whatever N is; the interval is long here so that the count does not depend on how long
+    256 threads take to be scheduled on 2 cores.
+    """
+
+    def ops_per_node(n):
+        shared = MemoryStore()
+        stores = [CountingStore(shared) for _ in range(n)]
+        s = settings(n, n, keep_alive_interval=60.0)
+        nodes = [make_node(st, s, f"n{i}") for i, st in enumerate(stores)]
+        infos = run_all([nd.next_round for nd in nodes])
+        assert all(not isinstance(i, BaseException) for i in infos)
+        for nd in nodes:  # a few monitor ticks, then the exit barrier
+            for _ in range(3):
+                nd.poll()
+        run_all([lambda nd=nd: nd.exit_barrier(5.0) for nd in nodes])
+        for nd in nodes:
+            nd.close()
+        return max(st.ops for st in stores)
+
+    small, large = ops_per_node(8), ops_per_node(256)
+    assert large <= small + 6, (small, large)
