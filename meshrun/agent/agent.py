@@ -157,6 +157,8 @@ class Agent:
                 store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
             )
             code = self._loop(rdzv, reaper, bootstrap)
+            if store.serves_others:
+                rdzv.wait_for_others_to_leave()
             if code == EXIT_OK and self._temp_logs and self._log_root is not None:
                 shutil.rmtree(self._log_root.parent, ignore_errors=True)
             return code
@@ -188,6 +190,7 @@ class Agent:
                 info = rdzv.next_round()
             except JobFinished:
                 say("the job finished while this node waited as a spare; exiting")
+                rdzv.leave()
                 return EXIT_OK
             except JobFailed as e:
                 return self._final_failure(rdzv, e.round, [])
@@ -205,8 +208,6 @@ class Agent:
                         if reason is None:
                             self._end_round(bootstrap)
                             rdzv.leave()
-                            if info.node_rank == 0:
-                                rdzv.wait_for_others_to_leave()
                             return EXIT_OK
                     elif result is not None:
                         reason = self._on_failure(rdzv, info, result)

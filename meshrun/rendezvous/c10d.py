@@ -150,6 +150,7 @@ class TCPStoreBackend(Store):
                 f"cannot {verb} the rendezvous store at {host}:{port}: {_first_line(e)} ({hint})"
             ) from None
         self.port = self._store.port
+        self.serves_others = is_host
 
     # -- helpers ---------------------------------------------------------------------------------
     def _lost(self, e: Exception) -> StoreLostError:

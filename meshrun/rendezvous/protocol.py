@@ -442,15 +442,14 @@ class Rendezvous:
 
     def leave(self) -> None:
         """Say that this node has read the outcome and goes (the store host waits for this)."""
-        round = self.info.round if self.info else self.read_state()[0].round
-        self.store.add(self._round_key(round, "left"), 1)
+        self.store.add(self._round_key(self.read_state()[0].round, "left"), 1)
 
     def wait_for_others_to_leave(self) -> None:
         """On the node that hosts the store: keep serving until every member and spare has
-        read the outcome, bounded by ``close_timeout``."""
+        read the outcome (success, or the failure records), bounded by ``close_timeout``."""
         if self.info is None:
             return
-        round = self.info.round
+        round = self.read_state()[0].round
         expected = self.info.num_nodes + self.store.add(self._round_key(round + 1, "joined"), 0)
         deadline = self._clock() + self.settings.close_timeout
         key = self._round_key(round, "left")

@@ -55,7 +55,11 @@ class Store(abc.ABC):
     """The key/value contract of DESIGN.md §3.2. Keys are str, values bytes.
 
     Every method may raise `meshrun.rendezvous.api.StoreLostError` when the store is gone.
+    ``serves_others`` is True where this process hosts the store for other nodes (the c10d
+    host): it must keep serving until they have read the job's outcome.
     """
+
+    serves_others = False
 
     @abc.abstractmethod
     def get(self, key: str) -> Versioned | None:

@@ -1,0 +1,32 @@
+"""A worker for the multi-agent tests: join the gloo group, all_reduce, record, wait for 'stop'.
+
+Usage: elastic_worker.py RECORDS_FILE STOP_FILE. Appends one JSON line per (round, rank) to
+RECORDS_FILE, then waits until STOP_FILE exists (60 s at most), then exits 0.
+"""
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+records, stop = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+total = torch.ones(1)
+dist.all_reduce(total)
+record = {
+    name.lower(): int(os.environ[name])
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "MESHRUN_ROUND", "TORCHELASTIC_RESTART_COUNT")
+}
+record["sum"] = int(total.item())
+with open(records, "a") as f:
+    f.write(json.dumps(record) + "\n")
+print(f"ready rank={record['rank']} round={record['meshrun_round']}", flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(stop) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(0 if os.path.exists(stop) else 2)
