@@ -10,6 +10,8 @@ command line. An empty environment variable counts as unset. Each value is then 
   ``--master-port`` (torchrun does the same since 2.4, so two jobs on one host never collide),
   gives ``standalone=True``, backend ``c10d``, endpoint ``localhost:0`` and a random run id;
   the agent then hosts an in-process store on an OS-assigned port.
+- SLURM: under ``srun`` with one meshrun per node and no ``--rdzv-endpoint``, the node count,
+  node rank and c10d endpoint come from the SLURM environment (`meshrun.launcher.slurm`).
 - entrypoint: ``(python, "-u", script)``, ``(python, "-u", "-m", module)`` or ``(script,)``
   with ``--no-python``; ``python`` is ``$PYTHON_EXEC`` if set (as torchrun), else
   ``sys.executable``. ``--run-path`` keeps ``(python, "-u", script)`` and sets
@@ -37,9 +39,11 @@ from meshrun.launcher.config import LaunchConfig
 from meshrun.launcher.configfile import RawValue, load_config_file
 from meshrun.launcher.errors import ConfigError, ValueProblem
 from meshrun.launcher.options import BY_NAME, NUMA_MODES, OPTIONS, START_METHODS, make_command
+from meshrun.launcher.slurm import SlurmDefaults, slurm_defaults
 
 T = TypeVar("T")
 
+SLURM_RDZV_PORT = 29400  # the c10d default port
 USAGE_HINT = "usage: meshrun [OPTIONS] SCRIPT [ARGS]... (see meshrun --help)"
 
 
@@ -103,6 +107,19 @@ def build_config_and_notes(
     )
     rdzv_endpoint = str(raw["rdzv_endpoint"].value).strip()
     rdzv_id = str(raw["rdzv_id"].value)
+
+    slurm = None if rdzv_endpoint or flag("standalone") else _slurm(env)
+    if slurm is not None and slurm.num_nodes > 1:
+        if raw["nnodes"].where.endswith("(default)"):
+            min_nodes = max_nodes = slurm.num_nodes
+        if node_rank is None:
+            node_rank = slurm.node_rank
+        if rdzv_backend == "static":
+            rdzv_backend = "c10d"
+        rdzv_endpoint = f"{slurm.first_host}:{SLURM_RDZV_PORT}"
+        if rdzv_id == "none":
+            rdzv_id = f"slurm-{slurm.job_id}"
+        notes.append(slurm.note(SLURM_RDZV_PORT))
 
     standalone = flag("standalone") or (
         rdzv_backend == "static" and not rdzv_endpoint and master_port is None and max_nodes == 1
@@ -173,6 +190,13 @@ def build_config_and_notes(
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+
+def _slurm(env: Mapping[str, str]) -> SlurmDefaults | None:
+    try:
+        return slurm_defaults(env)
+    except ValueError as e:
+        raise ConfigError(f"{e}; give --rdzv-endpoint HOST:PORT to skip SLURM detection") from None
 
 
 def _parse_command_line(argv: Sequence[str]) -> click.Context:

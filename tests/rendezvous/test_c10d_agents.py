@@ -34,8 +34,9 @@ def free_port() -> int:
 class Job:
     """One job's shared files and endpoint; `node()` starts one meshrun agent of it."""
 
-    def __init__(self, tmp: Path, nnodes: str, conf: str = ""):
+    def __init__(self, tmp: Path, nnodes: str, conf: str = "", host: str = "127.0.0.1"):
         self.tmp = tmp
+        self.host = host
         self.records = tmp / "records.jsonl"
         self.stop_file = tmp / "stop"
         self.port = free_port()
@@ -45,16 +46,18 @@ class Job:
         self.conf = ",".join(f"{k}={v}" for k, v in settings.items())
         self.nodes: list[subprocess.Popen] = []
 
-    def node(self, *extra: str, nproc: int = 1, name: str | None = None) -> subprocess.Popen:
+    def node(
+        self, *extra: str, nproc: int = 1, name: str | None = None, env: dict | None = None
+    ) -> subprocess.Popen:
         name = name or f"node{len(self.nodes)}"
         cmd = [
             sys.executable, "-m", "meshrun", "--nnodes", self.nnodes,
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test",
+            "--rdzv-endpoint", f"{self.endpoint_host}:{self.port}", "--rdzv-id", "test",
             "--rdzv-conf", self.conf, "--monitor-interval", "0.1", "--shutdown-timeout", "3",
             *extra, str(WORKER), str(self.records), str(self.stop_file),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         proc = subprocess.Popen(
             cmd, env=env, cwd=self.tmp, start_new_session=True,
             stdout=open(self.tmp / f"{name}.out", "w"), stderr=open(self.tmp / f"{name}.err", "w"),
@@ -63,12 +66,16 @@ class Job:
         self.nodes.append(proc)
         return proc
 
+    @property
+    def endpoint_host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
     def wait_for_store(self, timeout: float = 30) -> None:
         """Until the first agent hosts the rendezvous store (its port accepts connections)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.05)
@@ -108,8 +115,8 @@ class Job:
 def job_factory(tmp_path):
     jobs = []
 
-    def make(nnodes: str, conf: str = "") -> Job:
-        job = Job(tmp_path / f"job{len(jobs)}", nnodes, conf)
+    def make(nnodes: str, conf: str = "", host: str = "127.0.0.1") -> Job:
+        job = Job(tmp_path / f"job{len(jobs)}", nnodes, conf, host)
         job.tmp.mkdir()
         jobs.append(job)
         return job
@@ -228,3 +235,39 @@ def test_join_timeout_exits_3(job_factory):
     assert lonely.wait(30) == 3
     err = (job.tmp / f"{lonely.name}.err").read_text()
     assert "join timeout" in err and "fewer than the minimum 2" in err, err
+
+
+def test_root_cause_from_another_node_reported_on_every_node(job_factory):
+    """A worker on node rank 1 exits 7 with no restarts left: both agents print the same
+    root cause, with rank and exit code, and both exit 7."""
+    job = job_factory("2")
+    job.node(env={"FAIL_RANK": "1"})
+    job.wait_for_store()
+    job.node(env={"FAIL_RANK": "1"})
+    codes = [p.wait(60) for p in job.nodes]
+    assert codes == [7, 7], job.logs()
+    for p in job.nodes:
+        err = (job.tmp / f"{p.name}.err").read_text()
+        root = err[err.index("Root cause"):]
+        assert "rank       : 1" in root and "exit code 7" in root, err
+        assert "deliberate failure of rank 1" in root, err
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_ipv6_endpoint_in_brackets(job_factory):
+    job = job_factory("2", host="::1")
+    job.node()
+    job.wait_for_store()
+    job.node()
+    records = job.wait_records(in_round(0, 2))
+    assert sorted(r["rank"] for r in records) == [0, 1]
+    assert job.finish() == [0, 0], job.logs()

@@ -1,7 +1,8 @@
 """A worker for the multi-agent tests: join the gloo group, all_reduce, record, wait for 'stop'.
 
 Usage: elastic_worker.py RECORDS_FILE STOP_FILE. Appends one JSON line per (round, rank) to
-RECORDS_FILE, then waits until STOP_FILE exists (60 s at most), then exits 0.
+RECORDS_FILE, then waits until STOP_FILE exists (60 s at most), then exits 0. The rank named by
+the env var FAIL_RANK exits 7 instead, after a line on stderr.
 """
 
 import json
@@ -26,6 +27,9 @@ record["sum"] = int(total.item())
 with open(records, "a") as f:
     f.write(json.dumps(record) + "\n")
 print(f"ready rank={record['rank']} round={record['meshrun_round']}", flush=True)
+if os.environ.get("FAIL_RANK") == str(record["rank"]):
+    print(f"deliberate failure of rank {record['rank']}", file=sys.stderr, flush=True)
+    sys.exit(7)
 deadline = time.monotonic() + 60
 while not os.path.exists(stop) and time.monotonic() < deadline:
     time.sleep(0.05)
