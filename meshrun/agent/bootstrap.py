@@ -23,12 +23,12 @@ class BootstrapStore:
     """One round's workers' store.
 
     Args:
-        bind_addr: the address to listen on ("" for every interface, "127.0.0.1" for a
-            single-node job, which needs nothing from outside).
+        bind_addr: the address to listen on ("" for every interface, IPv4 and IPv6 where the
+            host has IPv6; "127.0.0.1" for a single-node job, which needs nothing from outside).
         timeout: seconds the store waits on a blocking request.
     """
 
-    def __init__(self, bind_addr: str, timeout: float = 1800.0):
+    def __init__(self, bind_addr: str, timeout: float = 1800.0):  # 30 min, as torch's default
         self._bind_addr = bind_addr
         self._timeout = timeout
         self._sock: socket.socket | None = None
@@ -38,10 +38,7 @@ class BootstrapStore:
 
     def open(self) -> int:
         """Bind and listen now; start the TCPStore server on a thread. Returns the port."""
-        family = socket.AF_INET6 if ":" in self._bind_addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._bind_addr, 0))
+        sock = _listen_socket(self._bind_addr)
         sock.listen(int(os.environ.get("MESHRUN_LISTEN_BACKLOG", "1024")))
         self._sock = sock
         port = sock.getsockname()[1]
@@ -78,3 +75,21 @@ class BootstrapStore:
         if self._sock is not None and self._sock.fileno() != -1:
             self._sock.close()
         self._sock = None
+
+
+def _listen_socket(addr: str) -> socket.socket:
+    """A TCP socket bound to ``addr`` on an OS-assigned port; "" is dual-stack where possible."""
+    if addr == "" and socket.has_ipv6:
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("::", 0))
+            return sock
+        except OSError:
+            sock.close()
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, 0))
+    return sock
