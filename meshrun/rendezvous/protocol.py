@@ -441,16 +441,27 @@ class Rendezvous:
         self.store.set_once(self._round_key(info.round, "alldone"), b"1")
 
     def leave(self) -> None:
-        """Say that this node has read the outcome and goes (the store host waits for this)."""
-        self.store.add(self._round_key(self.read_state()[0].round, "left"), 1)
+        """Say that this node has read the job's outcome and goes.
+
+        The store host (c10d) waits for every node to say so before it stops serving; on a
+        store that outlives the agents (etcd), the last node out deletes the job's keys.
+        """
+        round = self.read_state()[0].round
+        left = self.store.add(self._round_key(round, "left"), 1)
+        if not self.store.serves_others and left >= self._expected_leavers(round):
+            self.store.delete_prefix(self._prefix)
+
+    def _expected_leavers(self, round: int) -> int:
+        """Members of ``round`` plus the nodes waiting for the round after it."""
+        closed = self.store.get(self._round_key(round, "closed"))
+        members = len(json.loads(closed.value)) if closed is not None else 0
+        return members + self.store.add(self._round_key(round + 1, "joined"), 0)
 
     def wait_for_others_to_leave(self) -> None:
         """On the node that hosts the store: keep serving until every member and spare has
         read the outcome (success, or the failure records), bounded by ``close_timeout``."""
-        if self.info is None:
-            return
         round = self.read_state()[0].round
-        expected = self.info.num_nodes + self.store.add(self._round_key(round + 1, "joined"), 0)
+        expected = self._expected_leavers(round)
         deadline = self._clock() + self.settings.close_timeout
         key = self._round_key(round, "left")
         while self._clock() < deadline:
