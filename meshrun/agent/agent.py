@@ -106,7 +106,6 @@ class Agent:
         self.endpoint = self._endpoint()
         self._group: WorkerGroup | None = None
         self._signal: int | None = None
-        self._in_rendezvous = False
         self._log_root: Path | None = None
         self._temp_logs = False
 
@@ -139,8 +138,8 @@ class Agent:
         reaper.start()
         rdzv: Rendezvous | None = None
         try:
-            self._in_rendezvous = True
-            store, addr = open_store(
+            store, addr = self._interruptible(
+                open_store,
                 self.config.rdzv_backend,
                 self.endpoint,
                 self.settings,
@@ -163,7 +162,7 @@ class Agent:
                 shutil.rmtree(self._log_root.parent, ignore_errors=True)
             return code
         except _Stopped as e:
-            say(f"stopped by {signal.Signals(e.signum).name} during rendezvous")
+            say(f"received {signal.Signals(e.signum).name} during rendezvous; exiting")
             return 128 + e.signum
         except RendezvousError as e:
             say(f"error: rendezvous failed: {e}")
@@ -185,19 +184,16 @@ class Agent:
     def _loop(self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore) -> int:
         c = self.config
         while True:
-            self._in_rendezvous = True
             try:
-                info = rdzv.next_round()
+                info = self._interruptible(rdzv.next_round)
             except JobFinished:
                 say("the job finished while this node waited as a spare; exiting")
                 rdzv.leave()
                 return EXIT_OK
             except JobFailed as e:
                 return self._final_failure(rdzv, e.round, [])
-            self._in_rendezvous = False
-            if self._signal is not None:
-                return 128 + self._signal
             self._start_group(info, reaper)
+            bootstrap.serve()  # imports torch on a thread, after the workers are registered
             while True:
                 result = self._group.wait(c.monitor_interval)
                 if self._signal is not None:
@@ -336,15 +332,35 @@ class Agent:
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:
-        first = self._signal is None
-        self._signal = signum
-        group = self._group
-        if group is not None:
-            group.signal(signum)  # forwarded at once; the run loop stops the group next tick
-        elif (
-            self._in_rendezvous and first and threading.current_thread() is threading.main_thread()
-        ):
-            raise _Stopped(signum)
+        # Only recorded: the run loop acts on it within one monitor interval, forwarding it to
+        # the workers once (WorkerGroup.stop(death_sig=signum)), never from inside a handler.
+        if self._signal is None:
+            self._signal = signum
+
+    def _interruptible(self, fn, *args, **kwargs):
+        """Run a blocking rendezvous call on a thread, so a signal is acted on at once.
+
+        A call blocked inside TCPStore (C++) would delay Python's signal handlers until it
+        returns; the main thread stays free instead. Raises `_Stopped` on a handled signal.
+        """
+        outcome: list = []
+
+        def call() -> None:
+            try:
+                outcome.append((True, fn(*args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                outcome.append((False, e))
+
+        thread = threading.Thread(target=call, name="meshrun-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if self._signal is not None:
+                raise _Stopped(self._signal)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def _stop_by_signal(self) -> int:
         name = signal.Signals(self._signal).name
@@ -352,7 +368,7 @@ class Agent:
             f"received {name}: forwarded to the workers; stopping them "
             f"(grace {self.config.shutdown_timeout:g} s)"
         )
-        self._group.stop(self.config.shutdown_timeout)
+        self._group.stop(self.config.shutdown_timeout, death_sig=self._signal)
         self._group = None
         return 128 + self._signal
 

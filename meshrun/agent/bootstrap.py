@@ -37,16 +37,25 @@ class BootstrapStore:
         self.error: BaseException | None = None
 
     def open(self) -> int:
-        """Bind and listen now; start the TCPStore server on a thread. Returns the port."""
+        """Bind and listen now (workers may connect at once); return the port."""
         sock = _listen_socket(self._bind_addr)
         sock.listen(int(os.environ.get("MESHRUN_LISTEN_BACKLOG", "1024")))
         self._sock = sock
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+    def serve(self) -> None:
+        """Start the TCPStore server on a thread (no-op unless `open` was called this round).
+
+        Called after the workers are spawned and registered with the reaper: the thread's
+        ``import torch`` holds the GIL for long stretches, and must not delay that.
+        """
+        if self._sock is None or self._thread is not None:
+            return
+        port = self._sock.getsockname()[1]
         self._thread = threading.Thread(
             target=self._serve, args=(port,), name="meshrun-bootstrap", daemon=True
         )
         self._thread.start()
-        return port
 
     def _serve(self, port: int) -> None:
         try:

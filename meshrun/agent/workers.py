@@ -234,11 +234,12 @@ class WorkerGroup:
             if w.exitcode is None:
                 _quiet_killpg(w.proc.pid, signum)
 
-    def stop(self, grace: float) -> None:
-        """Stop all workers: SIGTERM, up to ``grace`` seconds, then SIGKILL; reap; drain.
+    def stop(self, grace: float, death_sig: int = _signal.SIGTERM) -> None:
+        """Stop all workers: ``death_sig``, up to ``grace`` seconds, then SIGKILL; reap; drain.
 
-        SIGTERM goes to every worker's process group and to descendants that left it (setsid,
-        setpgid), found with psutil before signalling. After ``grace`` seconds in total (or as
+        ``death_sig`` (SIGTERM, or the signal the agent received, forwarded once) goes to every
+        worker's process group and to descendants that left it (setsid, setpgid), found with
+        psutil before signalling. After ``grace`` seconds in total (or as
         soon as everything is gone) whatever is left gets SIGKILL, whole trees. Then the
         workers are reaped, the output forwarders finish (waiting at most ~1 s for EOF if an
         escaped descendant still holds a pipe), files are closed and the process groups are
@@ -255,9 +256,9 @@ class WorkerGroup:
             #    children are re-parented out of reach).
             escaped = self._descendants()
             for w in self._workers:
-                _quiet_killpg(w.proc.pid, _signal.SIGTERM)
+                _quiet_killpg(w.proc.pid, death_sig)
             for p in escaped:
-                _quiet_signal(p, _signal.SIGTERM)
+                _quiet_signal(p, death_sig)
 
             # 2. Up to `grace` for all: workers (event-driven), then the rest (polled).
             with self._cond:

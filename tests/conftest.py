@@ -1,0 +1,159 @@
+"""Shared fixtures for end-to-end tests that run the real ``meshrun`` command.
+
+``launch`` starts ``python -m meshrun ...`` as a real subprocess in a per-test temp directory,
+with a clean environment (no ``PET_*``/``TORCHELASTIC_*``/``MASTER_*``/``OMP_NUM_THREADS``
+leaking in from the caller), and stops at teardown whatever a test left running: the meshrun
+processes it started and any pids the test registered (workers it learned of), by pid only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variables the launcher reads or sets that must not leak from the test runner's environment.
+_CLEAN_PREFIXES = ("PET_", "TORCHELASTIC_", "TORCH_ELASTIC_", "MESHRUN_")
+_CLEAN_NAMES = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTHON_EXEC",
+}
+
+
+def meshrun_env(**extra: str) -> dict[str, str]:
+    """The environment for a meshrun subprocess: ours, cleaned, with the repo on PYTHONPATH."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_CLEAN_PREFIXES) and k not in _CLEAN_NAMES
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), extra.pop("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value (returned) or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Launcher:
+    """Starts meshrun subprocesses for one test and cleans up after it."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.procs: list[subprocess.Popen] = []
+        self.extra_pids: set[int] = set()
+
+    free_port = staticmethod(free_port)
+    wait_for = staticmethod(wait_for)
+
+    def start(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text: bool = True,
+        cwd: Path | None = None,
+    ) -> subprocess.Popen:
+        """Start ``python -m meshrun ARGS``; returns the Popen (its pid is the agent's)."""
+        full_env = meshrun_env(**(env or {}))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshrun", *args],
+            cwd=cwd or self.cwd,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            text=text,
+        )
+        proc.launch_env = full_env  # what the agent was started with, for comparisons
+        self.procs.append(proc)
+        return proc
+
+    def run(
+        self,
+        args: list[str],
+        *,
+        timeout: float = 60,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess:
+        """Run meshrun to completion; returns a CompletedProcess (text stdout/stderr)."""
+        proc = self.start(args, env=env, cwd=cwd)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"meshrun {args} did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}"
+            ) from None
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        done.launch_env = proc.launch_env
+        return done
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        for pid in self.extra_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture
+def launch(tmp_path: Path):
+    """A `Launcher` whose working directory is a fresh temp directory (``launch.cwd``)."""
+    launcher = Launcher(tmp_path)
+    try:
+        yield launcher
+    finally:
+        launcher.cleanup()
