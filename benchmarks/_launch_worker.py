@@ -1,7 +1,9 @@
 """Worker for benchmarks/launch.py (not a benchmark by itself).
 
-Joins a gloo process group through the launcher's ``env://`` contract, runs one all_reduce,
-then prints ``READY rank=<r> attempt=<a> t=<time.time()>`` (the job is usable from then on).
+Prints ``START rank=<r> attempt=<a> t=<time.time()>`` as its first line (before importing
+torch: the issue's "first line"), joins a gloo process group through the launcher's ``env://``
+contract, runs one all_reduce, then prints ``READY rank=<r> attempt=<a> t=<time.time()>`` (the
+job is usable from then on).
 
 ``--fail``: on attempt 0 (``TORCHELASTIC_RESTART_COUNT == "0"``) rank 1 prints
 ``FAIL t=<time.time()>`` right after the all_reduce and exits 1, while rank 0 keeps "training"
@@ -13,6 +15,11 @@ import sys
 import time
 
 T0 = time.time()
+os.write(
+    1,
+    f"START rank={os.environ.get('RANK')} attempt={os.environ.get('TORCHELASTIC_RESTART_COUNT')} "
+    f"t={T0:.6f}\n".encode(),
+)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

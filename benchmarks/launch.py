@@ -6,17 +6,19 @@ Usage (from the repository root, with the project's virtual environment):
                                           [--warmup 1] [--verbose]
 
 Both launchers start 2 gloo workers (``benchmarks/_launch_worker.py``) that print
-``READY rank=<r> attempt=<a> t=<time.time()>`` once ``init_process_group("gloo")`` and one
-``all_reduce`` are done, i.e. once the job is usable. Runs alternate m, t, m, t, ... so that
-background load hits both launchers alike.
+``START rank=<r> attempt=<a> t=...`` as their first line (before ``import torch``), then
+``READY ...`` once ``init_process_group("gloo")`` and one ``all_reduce`` are done, i.e. once
+the job is usable. Runs alternate m, t, m, t, ... so that background load hits both alike.
 
 (a) launch overhead: from just before ``Popen`` to the arrival (on the launcher's stdout pipe,
-    read line by line and timestamped) of the last worker's ``READY`` line; and to the
-    launcher's exit. Median of ``--repeats`` runs.
+    read line by line and timestamped) of the last worker's first line (``START``), and of its
+    ``READY`` line; and to the launcher's exit. Median of ``--repeats`` runs.
 (b) restart latency: with ``--max-restarts 1``, rank 1 prints ``FAIL t=...`` on attempt 0 and
     exits 1 right after the all_reduce (rank 0 keeps running); latency = the earliest worker
-    timestamp of a ``READY ... attempt=1`` line minus the ``FAIL`` timestamp (both worker-side
-    ``time.time()``, same host clock). Median over the successful restart runs.
+    timestamp of a ``START ... attempt=1`` line (and of a ``READY`` line) minus the ``FAIL``
+    timestamp (both worker-side ``time.time()``, same host clock). Median over the successful
+    restart runs. The first line measures the launcher; ``READY`` adds the worker's own
+    ``import torch`` and process-group setup, the same under both launchers.
 (c) restart success: the launcher exits 0, with both ranks READY on attempt 1, within ``--cap``
     seconds (else the launcher's process group, and every process it started, is killed).
 
@@ -56,6 +58,7 @@ TAG_ENV = "MESHRUN_BENCH_LAUNCH_TAG"  # marks every process a run started, to cl
 EXTRA_ENV: dict[str, str] = {}  # --trace: LAUNCH_BENCH_TRACE=1 for the workers
 
 READY_RE = re.compile(r"READY rank=(\d+) attempt=(\S+) t=([0-9.]+)")
+START_RE = re.compile(r"START rank=(\d+) attempt=(\S+) t=([0-9.]+)")
 FAIL_RE = re.compile(r"FAIL rank=(\d+) attempt=(\S+) t=([0-9.]+)")
 
 
@@ -81,11 +84,11 @@ class Run:
     def to_exit(self) -> float | None:
         return None if self.end is None else self.end - self.start
 
-    def ready(self, attempt: str) -> dict[int, tuple[float, float]]:
+    def ready(self, attempt: str, pattern: re.Pattern = READY_RE) -> dict[int, tuple[float, float]]:
         """rank -> (arrival time on the pipe, worker's own time.time()) of its READY line."""
         found: dict[int, tuple[float, float]] = {}
         for ln in self.lines:
-            for m in READY_RE.finditer(ln.text):
+            for m in pattern.finditer(ln.text):
                 if m.group(2) == attempt and int(m.group(1)) not in found:
                     found[int(m.group(1))] = (ln.wall, float(m.group(3)))
         return found
@@ -98,8 +101,11 @@ class Run:
         return None
 
     # (a)
-    def to_all_ready(self) -> float | None:
-        r = self.ready("0")
+    def to_all_started(self) -> float | None:
+        return self.to_all_ready(START_RE)
+
+    def to_all_ready(self, pattern: re.Pattern = READY_RE) -> float | None:
+        r = self.ready("0", pattern)
         if self.rc != 0 or len(r) < NPROC:
             return None
         return max(arrival for arrival, _ in r.values()) - self.start
@@ -108,8 +114,11 @@ class Run:
     def restart_ok(self) -> bool:
         return not self.timed_out and self.rc == 0 and len(self.ready("1")) == NPROC
 
-    def restart_latency(self) -> float | None:
-        fail, r = self.fail_time(), self.ready("1")
+    def restart_latency_to_start(self) -> float | None:
+        return self.restart_latency(START_RE)
+
+    def restart_latency(self, pattern: re.Pattern = READY_RE) -> float | None:
+        fail, r = self.fail_time(), self.ready("1", pattern)
         if not self.restart_ok() or fail is None:
             return None
         return min(worker_t for _, worker_t in r.values()) - fail
@@ -371,8 +380,10 @@ def main() -> int:
     def col(runs: list[Run], f) -> list[float]:
         return [v for v in (f(r) for r in runs) if v is not None]
 
+    started = {k: col(v, Run.to_all_started) for k, v in launch.items()}
     ready = {k: col(v, Run.to_all_ready) for k, v in launch.items()}
     to_exit = {k: col(v, lambda r: r.to_exit if r.rc == 0 else None) for k, v in launch.items()}
+    latency_start = {k: col(v, Run.restart_latency_to_start) for k, v in restart.items()}
     latency = {k: col(v, Run.restart_latency) for k, v in restart.items()}
     ok = {k: sum(r.restart_ok() for r in v) for k, v in restart.items()}
 
@@ -390,9 +401,11 @@ def main() -> int:
     )
     print()
     rows = [
-        ("launch to all workers ready (median s)", ready),
+        ("(a) launch to every worker's first line (median s)", started),
+        ("launch to all workers ready, after one all_reduce (median s)", ready),
         ("launch to exit (median s)", to_exit),
-        ("restart latency (median s)", latency),
+        ("(b) restart latency, failure to first line (median s)", latency_start),
+        ("restart latency, failure to ready (median s)", latency),
     ]
     print("| metric | meshrun | torchrun | meshrun / torchrun |")
     print("|---|---|---|---|")
@@ -400,7 +413,7 @@ def main() -> int:
         m, t = _median(d["meshrun"]), _median(d["torchrun"])
         print(f"| {label} | {_fmt(m)} | {_fmt(t)} | {_ratio(m, t)} |")
     print(
-        f"| restart success (x/N) | {ok['meshrun']}/{n_restart} | {ok['torchrun']}/{n_restart} | |"
+        f"| (c) restart success (x/N) | {ok['meshrun']}/{n_restart} | {ok['torchrun']}/{n_restart} | |"
     )
     print(f"| torchrun default restart success (x/N) | | {ok['torchrun default']}/{n_restart} | |")
     print()
