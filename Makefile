@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 test: install
 	$(VPY) -m pytest -q tests
 
+# A fresh checkpoint directory each time, so the demo trains from step 0 (a restart within the
+# run resumes from it).
 demo: install
-	$(VENV)/bin/meshrun --nproc-per-node 2 examples/train_char_lm.py --steps 300 --checkpoint-dir checkpoints/demo
+	rm -rf checkpoints/demo
+	$(VENV)/bin/meshrun --nproc-per-node 2 --max-restarts 1 examples/train_char_lm.py --steps 300 --checkpoint-dir checkpoints/demo
 
 bench: install
 	$(VPY) benchmarks/launch.py

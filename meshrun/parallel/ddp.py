@@ -1,0 +1,389 @@
+"""`ddp()`: data parallelism by bucketed gradient all-reduce overlapped with backward.
+
+Every rank holds the whole model and trains on its own slice of the global batch; after each
+backward the gradients are averaged over the group, so every rank takes the same optimizer
+step. `ddp(model)` returns the *same* module (parameter names and state_dict keys unchanged)
+with hooks installed, built only on c10d collectives (not torch's DistributedDataParallel).
+
+Design (after torch's DDP reducer; Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020):
+
+- Wrap time: parameters and buffers are broadcast from rank 0 of the group, so every rank
+  starts from the same model.
+- Buckets: parameters that require grad are packed, in reverse registration order (roughly
+  the order backward produces their gradients), into flat buckets of about
+  ``bucket_cap_mb`` MiB; the first bucket is small (``first_bucket_cap_mb``, 1 MiB as in
+  torch) so communication starts early. A bucket closes once it reaches its cap, so it can
+  exceed the cap by one tensor; a change of dtype or device also starts a new bucket.
+- Backward: a ``register_post_accumulate_grad_hook`` on each parameter copies its gradient
+  into its slot of the bucket buffer and makes ``param.grad`` a view of that slot
+  (``gradient_as_bucket_view`` in torch terms: no copy back, no second gradient-sized
+  allocation). When a bucket AND every bucket before it are full, each of them is divided by
+  the group size and its ``all_reduce(async_op=True)`` is launched. Buckets therefore launch
+  in a fixed order on every rank, which gloo needs (it matches collectives by issue order).
+- End of backward: a callback queued on the autograd engine waits for every launched
+  all-reduce (and copies compressed results back to the full-precision buckets).
+- Rebuild: after the first synchronised backward, the buckets are rebuilt once in the order
+  gradients actually arrived on rank 0 (broadcast, so every rank agrees).
+- Buffers (``broadcast_buffers=True``): before each forward with grad enabled and outside
+  `no_sync`, buffers are broadcast from rank 0, as torch does. Non-source ranks receive into a
+  fresh tensor and swap ``buffer.data``, so no version counter is bumped and a buffer saved for
+  backward by an earlier forward is not "modified by an inplace operation"
+  (two forwards before one backward work; cf. pytorch/pytorch#175024).
+- `module.no_sync()`: a context in which backward only accumulates into ``.grad``; the next
+  synchronised backward all-reduces the accumulated gradients.
+- Unused parameters: a parameter that got no gradient in a synchronised backward is an error
+  naming it (RuntimeError at the end of backward), unless ``find_unused_parameters=True``:
+  then its slot contributes zeros (or its accumulated ``.grad`` from `no_sync` steps), one
+  extra all-reduce of a "used" bitmap per step finds parameters unused on *every* rank, and
+  those keep ``.grad`` as it was (``None`` after ``zero_grad()``), exactly as torch does;
+  a parameter used on some rank gets the group average (other ranks counted as zero).
+- Uneven inputs: `agree_num_batches` (one all-reduce MIN at epoch start); every rank then runs
+  that many batches and drops the rest, so no rank waits on a collective that never comes.
+- ``grad_compression="bf16"|"fp16"``: each bucket is all-reduced in that dtype (half the bytes)
+  and the result is copied back into the fp32 bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+MiB = 1024 * 1024
+COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
+        bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+        grad_compression: str | None = None) -> nn.Module:
+    """Make ``module`` data-parallel over ``group``; return the same module object.
+
+    After ``loss.backward()`` every parameter's ``.grad`` holds the average over the group's
+    ranks of the local gradients (a view into a flat bucket buffer). Adds
+    ``module.no_sync()``, a context manager that skips communication (gradient accumulation).
+
+    Args:
+        module: the model, already on its device. Its parameters and buffers are overwritten
+            with rank 0's (of ``group``) at wrap time.
+        group: process group to average over (default: the whole world).
+        bucket_cap_mb: bucket size in MiB (2**20 bytes), as torch's ``bucket_cap_mb``.
+        first_bucket_cap_mb: size of the first bucket to be reduced, MiB (torch: 1).
+        find_unused_parameters: allow parameters that get no gradient in a backward (see the
+            module docstring for the semantics; costs one extra small all-reduce per step).
+        broadcast_buffers: broadcast buffers from rank 0 before each forward (torch's default).
+        grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce dtype.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        RuntimeError: the default process group is not initialised, or the module was already
+            passed to ``ddp``. At the end of a backward: parameters got no gradient and
+            ``find_unused_parameters`` is False (the message names them), or a parameter got a
+            gradient twice in one backward.
+        ValueError: unknown ``grad_compression`` or a non-positive bucket cap.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("ddp: the default process group is not initialised; "
+                           "call meshrun.parallel.init() first")
+    if getattr(module, "_meshrun_ddp", None) is not None:
+        raise RuntimeError("ddp: this module is already data-parallel (ddp() was called on it)")
+    if grad_compression is not None and grad_compression not in COMPRESSION_DTYPES:
+        raise ValueError(f"ddp: grad_compression must be None, 'bf16' or 'fp16' "
+                         f"(got {grad_compression!r})")
+    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+        raise ValueError(f"ddp: bucket caps must be positive (got bucket_cap_mb={bucket_cap_mb}, "
+                         f"first_bucket_cap_mb={first_bucket_cap_mb})")
+    reducer = _Reducer(module, group, int(bucket_cap_mb * MiB), int(first_bucket_cap_mb * MiB),
+                       find_unused_parameters, broadcast_buffers,
+                       COMPRESSION_DTYPES.get(grad_compression))
+    module._meshrun_ddp = reducer  # a plain attribute: not a submodule, not in state_dict
+    module.no_sync = reducer.no_sync
+    return module
+
+
+def agree_num_batches(num_batches: int, group: dist.ProcessGroup | None = None) -> int:
+    """Uneven inputs: return the smallest ``num_batches`` over the group's ranks.
+
+    Call once per epoch, on every rank, before the loop; then run exactly that many batches
+    (drop the rest), so every rank issues the same collectives and none hangs. One all-reduce
+    (MIN) of one int64. Same effect as ``DistributedSampler(drop_last=True)`` when the
+    per-rank counts are not known in advance; a simpler alternative to torch's ``Join``.
+    """
+    device = _group_device(group)
+    count = torch.tensor([num_batches], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
+    return int(count.item())
+
+
+# -------------------------------------------------------------------------------------------
+# the reducer: buckets, hooks, and the end-of-backward callback
+
+
+@dataclass
+class _Bucket:
+    """One flat gradient buffer and the parameters whose gradients live in it."""
+
+    params: list[int]  # indices into _Reducer.params
+    offsets: list[int]  # element offset of each parameter in the buffer
+    buffer: torch.Tensor  # 1-D, dtype/device of its parameters
+    pending: int = 0  # gradients still to arrive in this backward
+    work: dist.Work | None = None
+    comm: torch.Tensor | None = None  # what was all-reduced (the buffer, or a compressed copy)
+    views: list[torch.Tensor] = field(default_factory=list)  # per-parameter views of buffer
+
+
+class _Reducer:
+    def __init__(self, module, group, bucket_cap, first_bucket_cap, find_unused,
+                 broadcast_buffers, compress_dtype):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.find_unused = find_unused
+        self.compress_dtype = compress_dtype
+        self.bucket_cap, self.first_bucket_cap = bucket_cap, first_bucket_cap
+        named = list(module.named_parameters())  # shared parameters appear once
+        self.params = [p for _, p in named if p.requires_grad]
+        self.names = [n for n, p in named if p.requires_grad]
+        self.buffers = [b for b in module.buffers()] if broadcast_buffers else []
+        self.sync = True  # False inside no_sync()
+        self.rebuilt = False
+        self.arrival_order: list[int] = []
+        self.in_backward = False
+        self.next_bucket = 0
+        self.arrived = [False] * len(self.params)
+
+        _broadcast_(([p for _, p in named] + list(module.buffers())), group)
+        self._build_buckets(self._assign(list(reversed(range(len(self.params))))))
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i))
+        module.register_forward_pre_hook(lambda mod, args: self._before_forward())
+
+    # -- public -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this context backward accumulates into ``.grad`` without communicating."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    # -- buckets ----------------------------------------------------------------------------
+
+    def _assign(self, order: list[int]) -> list[list[int]]:
+        """Pack parameter indices, in ``order``, into buckets by size cap, dtype and device."""
+        groups: list[list[int]] = [[]]
+        size, cap = 0, self.first_bucket_cap
+        for i in order:
+            p = self.params[i]
+            if groups[-1] and _key(self.params[groups[-1][-1]]) != _key(p):
+                groups.append([])  # a new dtype/device starts a new bucket
+                size, cap = 0, self.bucket_cap
+            groups[-1].append(i)
+            size += p.numel() * p.element_size()
+            if size >= cap:  # close once full (may exceed the cap by one tensor, as torch)
+                groups.append([])
+                size, cap = 0, self.bucket_cap
+        return [g for g in groups if g]
+
+    def _build_buckets(self, groups: list[list[int]]) -> None:
+        """Allocate one flat buffer per group; point existing grads at the new slots."""
+        self.buckets = []  # drop references to old buffers before allocating new ones
+        self.buckets = [self._make_bucket(g) for g in groups]
+        self.location = {}
+        for b, bucket in enumerate(self.buckets):
+            for slot, i in enumerate(bucket.params):
+                self.location[i] = (b, slot)
+        self._reset()
+
+    def _make_bucket(self, indices: list[int]) -> _Bucket:
+        params = [self.params[i] for i in indices]
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        views = [buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params, strict=True)]
+        for p, view in zip(params, views, strict=True):
+            if p.grad is not None:  # keep accumulated gradients across a rebuild
+                view.copy_(p.grad)
+                p.grad = view
+        return _Bucket(indices, offsets, buffer, views=views)
+
+    def _reset(self) -> None:
+        self.in_backward = False
+        self.next_bucket = 0
+        self.arrived = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.pending, bucket.work, bucket.comm = len(bucket.params), None, None
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def _on_grad(self, i: int) -> None:
+        """Post-accumulate-grad hook of parameter i: its gradient for this backward is final."""
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not self.rebuilt and i not in self.arrival_order:
+            self.arrival_order.append(i)
+        if not self.sync:
+            return
+        if self.arrived[i]:
+            raise RuntimeError(f"ddp: parameter {self.names[i]!r} got a gradient twice in one "
+                               f"backward (reentrant checkpointing or a second backward through "
+                               f"the same graph is not supported)")
+        self.arrived[i] = True
+        b, slot = self.location[i]
+        bucket = self.buckets[b]
+        self._into_slot(bucket, slot)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            while (self.next_bucket < len(self.buckets)
+                   and self.buckets[self.next_bucket].pending == 0):
+                self._launch(self.buckets[self.next_bucket])
+                self.next_bucket += 1
+
+    def _into_slot(self, bucket: _Bucket, slot: int) -> bool:
+        """Copy the parameter's .grad into its bucket slot and make .grad a view of the slot.
+
+        Returns False when the parameter has no gradient (the slot is zeroed)."""
+        p = self.params[bucket.params[slot]]
+        view = bucket.views[slot]
+        if p.grad is None:
+            view.zero_()
+            return False
+        if p.grad.data_ptr() != view.data_ptr():  # not already the view (accumulated in place)
+            view.copy_(p.grad)
+            p.grad = view
+        return True
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.buffer.div_(self.world_size)
+        comm = bucket.buffer
+        if self.compress_dtype is not None and comm.dtype != self.compress_dtype:
+            comm = comm.to(self.compress_dtype)
+        bucket.comm = comm
+        bucket.work = dist.all_reduce(comm, group=self.group, async_op=True)
+
+    def _finalize(self) -> None:
+        """End of backward (autograd engine callback): finish the launched all-reduces."""
+        if not self.sync:
+            self._reset()
+            return
+        try:
+            used = self._launch_remaining()
+            for bucket in self.buckets:
+                bucket.work.wait()
+                if bucket.comm is not bucket.buffer:
+                    bucket.buffer.copy_(bucket.comm)
+            if used is not None:
+                used.wait()
+                self._assign_unused(self.local_used)
+        finally:
+            self._reset()
+        if not self.rebuilt:
+            self._rebuild()
+
+    def _launch_remaining(self):
+        """Launch buckets that never filled up (parameters without a gradient)."""
+        if self.next_bucket == len(self.buckets) and not self.find_unused:
+            return None
+        missing = [i for i, done in enumerate(self.arrived) if not done]
+        if missing and not self.find_unused:
+            names = ", ".join(self.names[i] for i in missing)
+            raise RuntimeError(
+                f"ddp: {len(missing)} parameter(s) received no gradient in this backward: "
+                f"{names}. Pass find_unused_parameters=True to ddp(), or make every parameter "
+                f"take part in the loss")
+        self.local_used = torch.zeros(len(self.params), dtype=torch.int32,
+                                      device=self.buckets[0].buffer.device)
+        for i in range(len(self.params)):
+            b, slot = self.location[i]
+            has_grad = self.arrived[i] or self._into_slot(self.buckets[b], slot)
+            self.local_used[i] = int(has_grad)
+        for bucket in self.buckets[self.next_bucket:]:
+            self._launch(bucket)
+        self.next_bucket = len(self.buckets)
+        return dist.all_reduce(self.local_used, group=self.group, async_op=True)
+
+    def _assign_unused(self, used: torch.Tensor) -> None:
+        """Parameters used on some rank get the averaged slot; unused everywhere keep .grad."""
+        for i in torch.nonzero(used).flatten().tolist():
+            b, slot = self.location[i]
+            self.params[i].grad = self.buckets[b].views[slot]
+
+    def _rebuild(self) -> None:
+        """Rebuild buckets once, in the order gradients arrived on rank 0 of the group.
+
+        Skipped when every bucket would hold the same parameters as now (the usual case): a
+        rebuild briefly holds old and new buffers, one extra copy of the gradients."""
+        self.rebuilt = True
+        n = len(self.params)
+        seen = set(self.arrival_order)
+        order = self.arrival_order + [i for i in reversed(range(n)) if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64, device=_group_device(self.group))
+        dist.broadcast(order_t, group=self.group, group_src=0)
+        self.arrival_order = []
+        groups = self._assign(order_t.tolist())
+        if [set(g) for g in groups] != [set(b.params) for b in self.buckets]:
+            self._build_buckets(groups)  # same bucket contents: keep the buffers (memory)
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def _before_forward(self) -> None:
+        """Forward pre-hook: broadcast buffers from rank 0 without bumping version counters."""
+        if self.in_backward:  # a backward that raised never reached _finalize: forget it
+            self._reset()
+        if self.buffers and self.sync and torch.is_grad_enabled():
+            _broadcast_(self.buffers, self.group, swap_data=True)
+
+
+# -------------------------------------------------------------------------------------------
+# helpers
+
+
+def _key(p: torch.Tensor):
+    return (p.dtype, p.device)
+
+
+def _group_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def _broadcast_(tensors: list[torch.Tensor], group, swap_data: bool = False) -> None:
+    """Broadcast tensors from rank 0 of ``group``, one flat message per dtype/device.
+
+    ``swap_data=False``: copy into the tensors in place (wrap time). ``swap_data=True``:
+    non-source ranks point ``t.data`` at the received values instead (no version bump).
+    """
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault(_key(t), []).append(t)
+    is_src = dist.get_rank(group) == 0
+    for group_tensors in by_key.values():
+        flat = _flatten_dense_tensors([t.detach() for t in group_tensors])
+        dist.broadcast(flat, group=group, group_src=0)
+        if is_src:
+            continue
+        for t, value in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors),
+                            strict=True):
+            if swap_data:
+                t.data = value
+            else:
+                t.copy_(value)

@@ -1,0 +1,88 @@
+"""`Mesh`: the world's ranks arranged as a named N-D grid, one process group per axis.
+
+``Mesh({"pp": 2, "dp": 2, "tp": 2})`` lays ranks out in row-major order with the last axis
+innermost: with 8 ranks, tp groups are {0,1}, {2,3}, ..., dp groups {0,2}, {1,3}, {4,6}, ...,
+and pp groups {0,4}, {1,5}, ... Keep TP innermost: its collectives are the most frequent, and
+contiguous ranks share a node. Each strategy is handed ``mesh.group(axis)``; nothing here is a
+module-level global.
+
+Built on ``torch.distributed.device_mesh.init_device_mesh`` (every rank creates every group in
+the same order there); ``mesh.device_mesh`` exposes it for DTensor-based code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class Mesh:
+    """A named N-D mesh over the default process group.
+
+    Args:
+        shape: axis name -> size, in order from outermost to innermost, e.g.
+            ``{"pp": 2, "dp": 4, "tp": 2}``. The product must equal the world size.
+        device_type: ``"cuda"`` or ``"cpu"`` (default: ``"cuda"`` if available).
+
+    Raises:
+        RuntimeError: the default process group is not initialised (call
+            ``meshrun.parallel.init()`` first).
+        ValueError: empty shape, a size < 1, a non-string or duplicate axis name, or a product
+            of sizes different from the world size (the message names sizes and world size).
+
+    Mirrors torch's ``DeviceMesh`` (``init_device_mesh(..., mesh_dim_names=...)``).
+    """
+
+    def __init__(self, shape: Mapping[str, int], *, device_type: str | None = None):
+        shape = dict(shape)
+        if not shape:
+            raise ValueError("Mesh: the shape must name at least one axis, e.g. {'dp': 2}")
+        for axis, size in shape.items():
+            if not isinstance(axis, str) or not axis:
+                raise ValueError(f"Mesh: axis names must be non-empty strings (got {axis!r})")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"Mesh: axis {axis!r} must have an integer size >= 1 "
+                                 f"(got {size!r})")
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh: the default process group is not initialised; "
+                               "call meshrun.parallel.init() first")
+        world_size = dist.get_world_size()
+        product = math.prod(shape.values())
+        if product != world_size:
+            sizes = " x ".join(f"{a}={s}" for a, s in shape.items())
+            raise ValueError(f"Mesh: the axis sizes {sizes} multiply to {product}, but the "
+                             f"world size is {world_size}; make the product equal the world size")
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.shape: dict[str, int] = shape
+        self.device_mesh: DeviceMesh = init_device_mesh(
+            device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Axis names, outermost first."""
+        return tuple(self.shape)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis`` (ranks differing only in that axis)."""
+        return self.device_mesh.get_group(self._check(axis))
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis`` (0 <= rank < size(axis))."""
+        return self.device_mesh.get_local_rank(self._check(axis))
+
+    def size(self, axis: str) -> int:
+        """The number of ranks along ``axis``."""
+        return self.shape[self._check(axis)]
+
+    def _check(self, axis: str) -> str:
+        if axis not in self.shape:
+            raise KeyError(f"Mesh: no axis {axis!r} (axes: {', '.join(self.shape)})")
+        return axis
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.shape})"

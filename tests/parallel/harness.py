@@ -1,0 +1,93 @@
+"""Launch a worker script on N local processes and collect what each rank reported.
+
+The launcher is chosen by ``MESHRUN_TEST_LAUNCHER``: ``meshrun`` runs
+``python -m meshrun --nproc-per-node N script ...``; ``torchrun`` runs
+``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. Unset, it is
+``meshrun`` when meshrun's launcher is importable, else ``torchrun``.
+
+Workers report through `report()`: each rank writes ``rank<r>.json`` into the directory named
+by ``MESHRUN_TEST_RESULTS``; `launch()` returns the list of those dicts, indexed by rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+RESULTS_ENV = "MESHRUN_TEST_RESULTS"
+
+
+@dataclass
+class Launch:
+    returncode: int
+    output: str  # stdout and stderr of the launcher and workers, interleaved
+    results: list[dict]  # one per rank that reported, indexed by rank (missing ranks: {})
+
+
+def launcher_name() -> str:
+    name = os.environ.get("MESHRUN_TEST_LAUNCHER")
+    if name:
+        if name not in ("meshrun", "torchrun"):
+            raise ValueError(f"MESHRUN_TEST_LAUNCHER must be meshrun or torchrun (got {name!r})")
+        return name
+    return "meshrun" if importlib.util.find_spec("meshrun.launcher.cli") else "torchrun"
+
+
+def launcher_command(nproc: int, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    if launcher_name() == "meshrun":
+        return [sys.executable, "-m", "meshrun", "--nproc-per-node", str(nproc), *launcher_args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), *launcher_args]
+
+
+def launch(script: str | Path, nproc: int = 2, args: tuple[str, ...] = (), *,
+           launcher_args: tuple[str, ...] = (), timeout: float = 90,
+           check: bool = True) -> Launch:
+    """Run ``script`` (a path, or a name in tests/parallel/workers) on ``nproc`` processes.
+
+    Raises AssertionError (with the output) when ``check`` and the launch failed, or when it
+    ran past ``timeout`` seconds (the launcher's whole process group is then killed).
+    """
+    script = Path(script)
+    if not script.is_absolute():
+        script = WORKERS / script
+    with tempfile.TemporaryDirectory(prefix="meshrun-test-") as results_dir:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep)
+        env[RESULTS_ENV] = results_dir
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [*launcher_command(nproc, launcher_args), str(script), *args]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
+            output, _ = proc.communicate()
+            raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s; "
+                                 f"killed. Output:\n{output}") from None
+        results = []
+        for rank in range(nproc):
+            path = Path(results_dir) / f"rank{rank}.json"
+            results.append(json.loads(path.read_text()) if path.exists() else {})
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output}"
+    return Launch(proc.returncode, output, results)
+
+
+def report(result: dict) -> None:
+    """Worker side: write this rank's result (a JSON-able dict) for `launch()` to collect."""
+    path = Path(os.environ[RESULTS_ENV]) / f"rank{os.environ.get('RANK', '0')}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
