@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from meshrun.agent.bootstrap import BootstrapStore
 from meshrun.agent.errors import WorkerFailure, format_report, root_cause
+from meshrun.agent.hang import Hang, ProgressWatch, collect_stack, progress_env, stuck_at
 from meshrun.agent.reaper import Reaper
 from meshrun.agent.workers import GroupResult, WorkerGroup, WorkerSpec, WorkerState
 from meshrun.rendezvous import (
@@ -57,6 +59,8 @@ _STDOUT, _STDERR = 1, 2
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_RENDEZVOUS = 3
+EXIT_HUNG = 124
+_NO_STACK = "unknown (call meshrun.parallel.init() in the script, or install py-spy)"
 
 
 class ConfigError(ValueError):
@@ -106,6 +110,7 @@ class Agent:
         self.endpoint = self._endpoint()
         self._group: WorkerGroup | None = None
         self._signal: int | None = None
+        self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
         self._temp_logs = False
 
@@ -134,6 +139,12 @@ class Agent:
         rendezvous or store failure; 128+N when stopped by signal N.
         """
         previous = {s: signal.signal(s, self._on_signal) for s in self.config.signals_to_handle}
+        if self.config.hang_timeout is not None:
+            say(
+                f"hang detection on (--hang-timeout {self.config.hang_timeout:g} s): a rank is "
+                "watched from its first meshrun.parallel.heartbeat(); scripts that never call "
+                "it are never called hung"
+            )
         reaper = Reaper()
         reaper.start()
         rdzv: Rendezvous | None = None
@@ -207,6 +218,8 @@ class Agent:
                             return EXIT_OK
                     elif result is not None:
                         reason = self._on_failure(rdzv, info, result)
+                    elif self._watch is not None and (hung := self._watch.check()):
+                        reason = self._on_hang(rdzv, hung)
                     else:
                         reason = rdzv.poll()
                 except JobFailed as e:
@@ -233,6 +246,47 @@ class Agent:
                 f"{self.settings.max_restarts}"
             )
         return rdzv.request_restart(f"worker failure on {self.host}: {what}", failure=True)
+
+    def _on_hang(self, rdzv: Rendezvous, hung: list[Hang]) -> str:
+        """Some rank made no progress for --hang-timeout: collect every local rank's stack,
+        publish the hung ranks as failures (exit status 124), spend one restart."""
+        timeout = self.config.hang_timeout
+        idle = {h.local_rank: h for h in hung}
+        failures = []
+        for spec, pid in zip(self._group.specs, self._group.pids, strict=True):
+            stack = collect_stack(pid, Path(progress_env(spec.log_dir)["MESHRUN_STACK_FILE"]))
+            where = stuck_at(stack) if stack else _NO_STACK
+            h = idle.get(spec.local_rank)
+            message = (
+                f"hung: no progress for {h.idle_s:.1f} s (--hang-timeout {timeout:g}) after "
+                f"{h.heartbeats} heartbeat(s); stuck at {where}"
+                if h is not None
+                else f"stopped with the hung group; was at {where}"
+            )
+            failures.append(
+                WorkerFailure(
+                    local_rank=spec.local_rank,
+                    global_rank=spec.global_rank,
+                    pid=pid,
+                    exitcode=EXIT_HUNG,
+                    timestamp_ms=h.last_progress_ms if h is not None else int(time.time() * 1000),
+                    host=self.host,
+                    node_rank=spec.node_rank,
+                    message=message,
+                    traceback=stack,
+                    source="stack",
+                    stdout_path=str(spec.log_dir / "stdout.log"),
+                    stderr_path=str(spec.log_dir / "stderr.log"),
+                )
+            )
+        first = min((f for f in failures if f.local_rank in idle), key=lambda f: f.timestamp_ms)
+        say(f"rank {first.global_rank} {first.message}")
+        rdzv.publish_failures([self._record(f) for f in failures])
+        return rdzv.request_restart(
+            f"hang on {self.host}: rank {first.global_rank} made no progress for "
+            f"{timeout:g} s",
+            failure=True,
+        )
 
     def _record(self, failure: WorkerFailure) -> dict:
         info = self._group_info
@@ -296,12 +350,16 @@ class Agent:
             filtered_dir=attempt_dir,
         )
         self._group.start()
+        if c.hang_timeout is not None:
+            self._watch = ProgressWatch([s.log_dir for s in specs], c.hang_timeout)
 
     def _spec(self, info: RendezvousInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
         c = self.config
         rank = info.rank_offset + local_rank
         log_dir = attempt_dir / str(local_rank)
         env = worker_env(c, info, local_rank, error_file=log_dir / "error.json")
+        if c.hang_timeout is not None:
+            env.update(progress_env(log_dir))
         args = tuple(a.replace("${local_rank}", str(local_rank)) for a in c.args)
         shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
         redirect, tee = c.redirects.for_rank(local_rank), c.tee.for_rank(local_rank)
@@ -325,6 +383,7 @@ class Agent:
         )
 
     def _end_round(self, bootstrap: BootstrapStore) -> None:
+        self._watch = None
         if self._group is not None:
             self._group.stop(self.config.shutdown_timeout)
             self._group = None

@@ -69,7 +69,8 @@ class WorkerFailure:
     stdout_path: str = ""
     stderr_path: str = ""
     #: "error.json" when message/traceback came from torch's error file, "stderr" when the
-    #: traceback is the stderr tail, "" when there was neither.
+    #: traceback is the stderr tail, "stack" when it is the stack of a hung worker (the agent
+    #: stopped it), "" when there was none.
     source: str = ""
 
     @property
@@ -187,15 +188,19 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
     lines.append(f"  host       : {first.host or '?'} (node rank {first.node_rank})")
     lines.append(f"  pid        : {first.pid}")
     exit_text = first.describe_exit()
+    if first.source == "stack":
+        exit_text = f"hung, stopped by the agent (exit status {first.exit_status})"
     hint = _SIGNAL_HINTS.get(first.signal_name or "")
     lines.append(f"  exit       : {exit_text}" + (f" - {hint}" if hint else ""))
     lines.append(f"  time       : {_format_time(first.timestamp_ms)}")
     if first.message:
         lines.append(f"  message    : {first.message}")
     if first.traceback:
-        what = "traceback (error.json)" if first.source == "error.json" else "stderr (last lines)"
-        if not first.source:
-            what = "traceback"
+        what = {
+            "error.json": "traceback (error.json)",
+            "stderr": "stderr (last lines)",
+            "stack": "stack when hung (faulthandler / py-spy)",
+        }.get(first.source, "traceback")
         lines.append(f"  {what}:")
         lines.extend("    " + line for line in first.traceback.rstrip("\n").splitlines())
     else:
@@ -213,9 +218,10 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
             delta = f.timestamp_ms - first.timestamp_ms
             where = f"host {f.host or '?'}, node rank {f.node_rank}, local rank {f.local_rank}"
             log = f", stderr: {f.stderr_path}" if f.stderr_path else ""
+            note = f" - {f.message}" if f.message else ""
             lines.append(
                 f"  rank {f.global_rank} ({where}, pid {f.pid}): {f.describe_exit()}"
-                f" at +{delta} ms{log}"
+                f" at +{delta} ms{note}{log}"
             )
     lines.append(rule)
     return "\n".join(lines)

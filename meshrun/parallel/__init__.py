@@ -7,10 +7,12 @@ model with an explicit process group or mesh; there are no module-level global g
 - `Mesh`: named N-D mesh of ranks, one process group per axis.
 - `ddp()`: data parallelism with bucketed, overlapped gradient all-reduce.
 - `agree_num_batches()`: uneven inputs; every rank runs the minimum number of batches.
+- `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step).
 """
 
 from meshrun.parallel.context import ParallelContext, init
 from meshrun.parallel.ddp import agree_num_batches, ddp
+from meshrun.parallel.heartbeat import heartbeat
 from meshrun.parallel.mesh import Mesh
 
-__all__ = ["Mesh", "ParallelContext", "agree_num_batches", "ddp", "init"]
+__all__ = ["Mesh", "ParallelContext", "agree_num_batches", "ddp", "heartbeat", "init"]

@@ -55,6 +55,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from meshrun.parallel.heartbeat import heartbeat
+
 MiB = 1024 * 1024
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -293,6 +295,7 @@ class _Reducer:
                 self._assign_unused(self.local_used)
         finally:
             self._reset()
+        heartbeat()  # one synchronised step done: progress for `meshrun --hang-timeout`
         if not self.rebuilt:
             self._rebuild()
 
