@@ -211,7 +211,7 @@ class Agent:
                     return self._stop_by_signal()
                 try:
                     if result is not None and result.state is WorkerState.SUCCEEDED:
-                        reason = rdzv.exit_barrier(c.monitor_interval)
+                        reason = self._interruptible(rdzv.exit_barrier, c.monitor_interval)
                         if reason is None:
                             self._end_round(bootstrap)
                             rdzv.leave()
@@ -300,26 +300,18 @@ class Agent:
 
     def _final_failure(self, rdzv: Rendezvous, round: int, local: list[WorkerFailure]) -> int:
         """Print the job-wide root-cause report; return the root-cause worker's exit status."""
-        records: list[dict] = []
-        if rdzv.info is not None and rdzv.info.round == round:
-            if local:
-                try:
-                    rdzv.publish_failures([self._record(f) for f in local])
-                except RendezvousError:
-                    pass
-            try:
-                records = rdzv.collect_failures(round)
-            except RendezvousError:
-                records = [self._record(f) for f in local]
+        try:
+            if local and rdzv.info is not None and rdzv.info.round == round:
+                rdzv.publish_failures([self._record(f) for f in local])
+            records = rdzv.collect_failures(round)
+            rdzv.leave()
+        except RendezvousError:  # the store is gone: report what this node saw
+            records = [self._record(f) for f in local]
         failures = [WorkerFailure.from_json(json.dumps(r)) for r in records]
         if not failures:
             say("error: the job failed on another node, which published no failure record")
             return 1
         print(format_report(failures), file=sys.stderr, flush=True)
-        try:
-            rdzv.leave()
-        except RendezvousError:
-            pass
         return root_cause(failures).exit_status
 
     # -- workers ---------------------------------------------------------------------------------

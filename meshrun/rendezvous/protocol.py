@@ -380,18 +380,21 @@ class Rendezvous:
         self.store.set_once(key, json.dumps(records).encode())
 
     def collect_failures(self, round: int) -> list[dict]:
-        """Every member's published failures of ``round``, once all reported or close_timeout.
+        """Every member's published failures of ``round`` (the round the job failed in).
 
-        Each member calls this once at the end of a failed job, after `publish_failures`.
+        A member of that round first counts itself as reported (after `publish_failures`) and
+        waits, up to ``close_timeout``, for every member to do the same; a node that was not a
+        member (a spare) only reads what is there.
         """
-        info = self.info
-        n = info.num_nodes
-        if self.store.add(self._round_key(round, "reported"), 1) >= n:
-            self.store.set_once(self._round_key(round, "allreported"), b"1")
-        else:
-            self.store.wait_for_change(
-                self._round_key(round, "allreported"), 0, self.settings.close_timeout
-            )
+        closed = self.store.get(self._round_key(round, "closed"))
+        n = len(json.loads(closed.value)) if closed is not None else 0
+        if self.info is not None and self.info.round == round:
+            if self.store.add(self._round_key(round, "reported"), 1) >= n:
+                self.store.set_once(self._round_key(round, "allreported"), b"1")
+            else:
+                self.store.wait_for_change(
+                    self._round_key(round, "allreported"), 0, self.settings.close_timeout
+                )
         keys = [self._round_key(round, "failure", r) for r in range(n)]
         records: list[dict] = []
         for item in self._get_existing(keys):
