@@ -45,6 +45,7 @@ from meshrun.rendezvous import (
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
+    check_endpoint,
     open_store,
     settings_from_conf,
 )
@@ -105,9 +106,10 @@ class Agent:
                 max_nodes=config.max_nodes,
                 max_restarts=config.max_restarts,
             )
+            self.endpoint = self._endpoint()
+            check_endpoint(config.rdzv_backend, self.endpoint, self.settings)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.endpoint = self._endpoint()
         self._group: WorkerGroup | None = None
         self._signal: int | None = None
         self._watch: ProgressWatch | None = None

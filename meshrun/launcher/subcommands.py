@@ -7,11 +7,13 @@ script called ``status`` still runs). A subcommand is a `click.Command`; registe
     from meshrun.launcher.status import status   # a click.Command
     SUBCOMMANDS["status"] = status
 
-Empty until a subcommand exists.
+Registered: ``status`` (`meshrun.launcher.status`).
 """
 
 from __future__ import annotations
 
 import click
 
-SUBCOMMANDS: dict[str, click.Command] = {}
+from meshrun.launcher.status import status
+
+SUBCOMMANDS: dict[str, click.Command] = {"status": status}

@@ -3,8 +3,9 @@
 Public API: `open_store` (pick and connect the backend's store), `Rendezvous` (the protocol),
 `RendezvousInfo`, `RendezvousSettings`, `NodeDesc`, and the errors. Backends: ``static``
 (fixed node ranks; store hosted by node rank 0 at MASTER_ADDR:MASTER_PORT), ``c10d`` (TCPStore
-hosted by the agent on the ``--rdzv-endpoint`` host) and, for one-node jobs, an in-process
-store that needs no network at all.
+hosted by the agent on the ``--rdzv-endpoint`` host), ``etcd`` (etcd's v3 API, see
+`meshrun.rendezvous.etcd`) and, for one-node jobs, an in-process store that needs no network
+at all.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "Store",
     "StoreLostError",
+    "check_endpoint",
     "open_store",
     "settings_from_conf",
 ]
@@ -83,7 +85,34 @@ def open_store(
                     is_host = False
         store = c10d.TCPStoreBackend(host, port, is_host=is_host, timeout=settings.read_timeout)
         return store, c10d.outbound_address(host, port)
+    if backend in ("etcd", "etcd-v3"):
+        from meshrun.rendezvous import etcd  # etcd3gw is imported only here
+
+        store = etcd.open_etcd_store(endpoint, settings)
+        host, port = store.options.endpoints[store.current_member]
+        return store, c10d.outbound_address(host, port)
     raise ValueError(f"--rdzv-backend {backend}: unknown backend (use static, c10d or etcd)")
+
+
+def check_endpoint(backend: str, endpoint: str, settings: RendezvousSettings) -> None:
+    """Check the endpoint and backend options without connecting (a usage error, exit 2).
+
+    Raises:
+        ValueError: a malformed endpoint, or backend options that cannot work together.
+    """
+    if settings.max_nodes == 1 and backend != "etcd":
+        return
+    if backend in ("static", "c10d"):
+        from meshrun.rendezvous.c10d import parse_endpoint
+
+        parse_endpoint(endpoint)
+        _parse_bool(settings.extra.get("is_host"))
+    elif backend == "etcd":
+        from meshrun.rendezvous.etcd import EtcdOptions
+
+        if not endpoint:
+            raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
+        EtcdOptions.from_conf(endpoint, settings.extra, settings.read_timeout)
 
 
 def _parse_bool(text: str | None) -> bool | None:

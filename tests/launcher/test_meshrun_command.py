@@ -42,6 +42,12 @@ BAD_INPUTS = {
     "bad redirects": ["-r", "9", "train.py"],
     "bad signal": ["--signals-to-handle", "SIGNOPE", "train.py"],
     "module with no-python": ["-m", "--no-python", "pkg"],
+    "unknown rdzv-conf key": ["--rdzv-conf", "jion_timeout=5", "train.py"],
+    "c10d without endpoint": ["--rdzv-backend", "c10d", "--nnodes", "2", "train.py"],
+    "malformed ipv6 endpoint": ["--rdzv-backend", "c10d", "--nnodes", "2",
+                                "--rdzv-endpoint", "[::1:29400", "train.py"],
+    "etcd cert without key": ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint",
+                              "127.0.0.1:2379", "--rdzv-conf", "cert=c.pem", "train.py"],
 }
 
 

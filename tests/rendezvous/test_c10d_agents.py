@@ -34,9 +34,21 @@ def free_port() -> int:
 class Job:
     """One job's shared files and endpoint; `node()` starts one meshrun agent of it."""
 
-    def __init__(self, tmp: Path, nnodes: str, conf: str = "", host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        tmp: Path,
+        nnodes: str,
+        conf: str = "",
+        host: str = "127.0.0.1",
+        backend: str = "c10d",
+        endpoint: str | None = None,
+        run_id: str = "test",
+    ):
         self.tmp = tmp
         self.host = host
+        self.backend = backend
+        self.run_id = run_id
+        self._endpoint = endpoint  # default: host:port, the c10d store this job's agent hosts
         self.records = tmp / "records.jsonl"
         self.stop_file = tmp / "stop"
         self.port = free_port()
@@ -52,8 +64,8 @@ class Job:
         name = name or f"node{len(self.nodes)}"
         cmd = [
             sys.executable, "-m", "meshrun", "--nnodes", self.nnodes,
-            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{self.endpoint_host}:{self.port}", "--rdzv-id", "test",
+            "--nproc-per-node", str(nproc), "--rdzv-backend", self.backend,
+            "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
             "--rdzv-conf", self.conf, "--monitor-interval", "0.1", "--shutdown-timeout", "3",
             *extra, str(WORKER), str(self.records), str(self.stop_file),
         ]  # fmt: skip
@@ -65,6 +77,10 @@ class Job:
         proc.name = name
         self.nodes.append(proc)
         return proc
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint or f"{self.endpoint_host}:{self.port}"
 
     @property
     def endpoint_host(self) -> str:

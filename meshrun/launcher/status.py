@@ -1,0 +1,145 @@
+"""``meshrun status``: the live membership of a job, read from its rendezvous store.
+
+    meshrun status --rdzv-backend etcd --rdzv-endpoint HOST:2379 --rdzv-id JOB [--rdzv-conf ...]
+
+Prints the job's round, restart count and status, the nodes of the running round with their
+node ranks (from ``r<round>/closed``) and whether each is alive (etcd: the node's lease and the
+seconds since its last keep-alive; c10d: its heartbeat counter sampled twice, a moment apart),
+and the nodes waiting to join the next round. It only reads: on etcd it joins no lease, so
+looking never keeps a finished job's keys alive; on c10d it connects as a client of the
+agent-hosted store (``is_host=False``).
+
+Exit codes: 0 printed; 1 no such job (``no job <id> at <endpoint>``); 2 usage; 3 the store
+cannot be reached or refused us. torch is imported for c10d only (TCPStore), never for etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import click
+
+from meshrun.launcher.errors import ConfigError
+from meshrun.launcher.values import ValueProblem, parse_rdzv_backend, parse_rdzv_conf
+
+EXIT_NO_JOB = 1
+EXIT_STORE = 3
+STATUS_READ_TIMEOUT = 5.0  # seconds, unless --rdzv-conf read_timeout= says otherwise
+
+
+@click.command(
+    "status",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    help="Show the live membership of a running job: round, restarts, nodes, waiting nodes.",
+)
+@click.option("--rdzv-backend", "--rdzv_backend", "backend", required=True,
+              help="etcd (etcd-v3) or c10d (static: the TCPStore at MASTER_ADDR:MASTER_PORT).")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True,
+              help="The etcd member(s), comma-separated, or the c10d store's HOST:PORT.")
+@click.option("--rdzv-id", "--rdzv_id", "run_id", required=True, help="The job's --rdzv-id.")
+@click.option("--rdzv-conf", "--rdzv_conf", "conf_text", default="",
+              help="read_timeout=SECONDS, and for etcd cacert/cert/key/user/password.")  # fmt: skip
+def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
+    from meshrun.rendezvous import RendezvousError, settings_from_conf
+
+    try:
+        backend = parse_rdzv_backend(backend)
+    except ValueProblem as e:
+        raise e.at(f"--rdzv-backend {backend}") from None
+    try:
+        conf, _ = parse_rdzv_conf(conf_text)
+    except ValueProblem as e:
+        raise e.at(f"--rdzv-conf {conf_text}") from None
+    try:
+        settings = settings_from_conf(conf, run_id=run_id, min_nodes=1, max_nodes=2, max_restarts=0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if "read_timeout" not in conf:
+        settings = replace(settings, read_timeout=STATUS_READ_TIMEOUT)
+    prefix = f"/meshrun/{run_id}/"
+    try:
+        store = _open(backend, endpoint, settings)
+        try:
+            lines = describe(store, prefix, backend, settings.keep_alive_interval)
+        finally:
+            store.close()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    except RendezvousError as e:
+        click.echo(f"meshrun status: error: {' '.join(str(e).split())}", err=True)
+        return EXIT_STORE
+    if lines is None:
+        click.echo(f"no job {run_id} at {endpoint}", err=True)
+        return EXIT_NO_JOB
+    click.echo(f"job {run_id} at {endpoint} ({backend})")
+    for line in lines:
+        click.echo(line)
+    return 0
+
+
+def _open(backend: str, endpoint: str, settings):
+    if backend == "etcd":
+        from meshrun.rendezvous.etcd import open_etcd_store
+
+        return open_etcd_store(endpoint, settings, job_lease=False)
+    from meshrun.rendezvous import c10d
+
+    host, port = c10d.parse_endpoint(endpoint, 29500 if backend == "static" else c10d.DEFAULT_PORT)
+    return c10d.TCPStoreBackend(host, port, is_host=False, timeout=settings.read_timeout)
+
+
+def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> list[str] | None:
+    """The lines ``meshrun status`` prints for the job under ``prefix``; None: no such job."""
+    from meshrun.rendezvous.protocol import JobState
+
+    item = store.get(prefix + "state")
+    if item is not None:
+        state = JobState.from_json(item.value)
+    elif store.add(prefix + "r0/joined", 0) > 0:
+        state = JobState()  # round 0: the state is first written when it changes
+    else:
+        return None
+    lines = [f"round {state.round}, restart count {state.restarts}, status {state.status}"]
+    if state.reason:
+        lines.append(f"last change: {state.reason}")
+    round_key = f"{prefix}r{state.round}/"
+    closed = store.get(round_key + "closed")
+    if closed is None:
+        joined = store.add(round_key + "joined", 0)
+        lines.append(f"round {state.round} is open: {joined} node(s) joined so far")
+    else:
+        members = json.loads(closed.value)
+        alive = _liveness(store, backend, [m["node_id"] for m in members], keep_alive_interval)
+        lines.append(f"nodes ({len(members)}):")
+        for rank, m in enumerate(members):
+            lines.append(
+                f"  node rank {rank}: {m['node_id']}  addr {m['addr']}  nproc {m['nproc']}  "
+                f"{alive[m['node_id']]}"
+            )
+    waiting = store.add(f"{prefix}r{state.round + 1}/joined", 0)
+    lines.append(f"waiting: {waiting} node(s) for round {state.round + 1}")
+    return lines
+
+
+def _liveness(store, backend: str, node_ids: list[str], interval: float) -> dict[str, str]:
+    if backend == "etcd":
+        out = {}
+        for node_id in node_ids:
+            ttl = store.lease_ttl(store.liveness_key(node_id))
+            if ttl is None or ttl[0] <= 0:
+                out[node_id] = "lost (its lease expired)"
+            else:
+                remaining, granted = ttl
+                out[node_id] = f"alive (last seen {max(0, granted - remaining)} s ago)"
+        return out
+    keys = [f"/liveness/{node_id}" for node_id in node_ids]  # CounterLiveness on TCPStore
+    before = [store.add(k, 0) for k in keys]
+    wait = max(1.0, 2 * interval)
+    time.sleep(wait)
+    after = [store.add(k, 0) for k in keys]
+    return {
+        node_id: "alive" if b != a else f"lost (no heartbeat in {wait:g} s)"
+        for node_id, b, a in zip(node_ids, before, after, strict=True)
+    }

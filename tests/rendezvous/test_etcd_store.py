@@ -1,0 +1,152 @@
+"""The etcd store beyond the shared contract: leases, the job lease, watches, failover, loss.
+
+Runs against a real etcd on 127.0.0.1 (see etcd_fixtures.py); skipped only without the binary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from etcd_fixtures import free_port
+
+from meshrun.rendezvous.api import RendezvousError, StoreLostError
+from meshrun.rendezvous.etcd import EtcdOptions, EtcdStore, parse_endpoints
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def store_at(endpoints: str, prefix: str = "/meshrun/t/", read_timeout: float = 3.0, **conf):
+    options = EtcdOptions.from_conf(endpoints, conf, read_timeout=read_timeout)
+    return EtcdStore(options, prefix)
+
+
+def test_parse_endpoints():
+    assert parse_endpoints("a:1, b ,[::1]:3,https://c:4") == [
+        ("a", 1), ("b", 2379), ("::1", 3), ("c", 4)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="empty etcd endpoint"):
+        parse_endpoints(" , ")
+    with pytest.raises(ValueError, match="cert and key"):
+        EtcdOptions.from_conf("h", {"cert": "c.pem"}, 1.0)
+    assert EtcdOptions.from_conf("h", {"cacert": "ca.pem"}, 1.0).protocol == "https"
+
+
+def test_every_key_is_bound_to_the_job_lease_and_shared(etcd_server):
+    a = store_at(etcd_server.endpoint)
+    b = store_at(etcd_server.endpoint)
+    try:
+        assert a.job_lease and a.job_lease == b.job_lease  # one lease per job, found by b
+        a.set_once("/meshrun/t/x", b"1")
+        b.add("/meshrun/t/n", 1)
+        for key in ("/meshrun/t/x", "/meshrun/t/n", "/meshrun/t/lease"):
+            assert a._get(key).lease == a.job_lease
+        a.delete_prefix("/meshrun/t/")  # the last node out: keys and lease both go
+        assert etcd_server.keys("/meshrun/") == []
+        assert a._keepalive(a._gw, a.job_lease) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_abandoned_job_keys_expire_with_the_job_lease(etcd_server):
+    """No agent left to refresh the lease (kill -9 of all): every key vanishes within TTL."""
+    store = store_at(etcd_server.endpoint, read_timeout=1.0)  # job TTL: the 5 s minimum
+    store.set_once("/meshrun/t/state", b"{}")
+    live = store.liveness("n1", dead_after=2)
+    live.beat()
+    store._stop.set()  # the refresher stops, as if the process died; nothing is revoked
+    store._refresher.join(5)
+    assert len(etcd_server.keys("/meshrun/t/")) == 3
+    deadline = time.monotonic() + 15
+    while etcd_server.keys("/meshrun/t/") and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert etcd_server.keys("/meshrun/t/") == []
+
+
+def test_liveness_lease_expires_and_close_is_immediate(etcd_server):
+    store = store_at(etcd_server.endpoint)
+    try:
+        a, b, c = (store.liveness(n, dead_after=2) for n in ("a", "b", "c"))
+        a.beat()
+        b.beat()  # b beats once, then never again
+        start = time.monotonic()
+        assert c.is_alive("a") and c.is_alive("b")
+        for _ in range(5):  # beating keeps a alive past its 2 s TTL
+            time.sleep(0.6)
+            a.beat()
+        assert c.is_alive("a")
+        assert not c.is_alive("b")  # silent for 3 s > its 2 s TTL
+        assert time.monotonic() - start < 8
+        a.close()  # a clean exit: gone at once
+        assert not c.is_alive("a")
+        assert not c.is_alive("never-started")
+    finally:
+        store.close()
+
+
+def test_wait_for_change_watches_instead_of_polling(etcd_server):
+    store = store_at(etcd_server.endpoint)
+    writer = store_at(etcd_server.endpoint)
+    try:
+        before = etcd_server.metric("etcd_mvcc_range_total")
+        start = time.monotonic()
+        assert store.wait_for_change("/meshrun/t/w", 0, timeout=1.5) is None
+        assert 1.4 <= time.monotonic() - start < 4
+        assert etcd_server.metric("etcd_mvcc_range_total") - before <= 2  # one read, no polling
+        threading.Timer(0.3, lambda: writer.set_once("/meshrun/t/w", b"x")).start()
+        item = store.wait_for_change("/meshrun/t/w", 0, timeout=10)
+        assert item is not None and item.value == b"x"
+        threading.Timer(0.3, lambda: writer.delete_prefix("/meshrun/t/w")).start()
+        assert store.wait_for_change("/meshrun/t/w", item.version, timeout=10) is None
+    finally:
+        store.close()
+        writer.close()
+
+
+def test_failover_skips_a_dead_first_member(etcd_server):
+    dead = f"127.0.0.1:{free_port()}"
+    store = store_at(f"{dead},{etcd_server.endpoint}")
+    try:
+        assert store.set_once("/meshrun/t/k", b"v").value == b"v"
+        assert store.current_member == 1  # kept: later calls go straight to it
+        assert store.wait_for_change("/meshrun/t/k", 0, 1).value == b"v"
+    finally:
+        store.close()
+
+
+def test_unreachable_etcd_is_store_lost_within_read_timeout():
+    endpoints = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(StoreLostError) as info:
+        store_at(endpoints, read_timeout=1.5)
+    assert 1.4 <= time.monotonic() - start < 6
+    message = str(info.value)
+    assert endpoints in message and "read_timeout=1.5" in message and "\n" not in message
+
+
+def test_store_lost_when_etcd_dies(etcd_server):
+    store = store_at(etcd_server.endpoint, read_timeout=1.5)
+    store.set_once("/meshrun/t/k", b"v")
+    etcd_server.stop()
+    with pytest.raises(StoreLostError, match="no member of etcd at"):
+        store.get("/meshrun/t/k")
+    with pytest.raises(StoreLostError):
+        store.wait_for_change("/meshrun/t/k", 0, 5)
+
+
+def test_auth_token_reauthenticated_and_wrong_password_refused(etcd_server):
+    etcd_server.enable_auth("meshrun", "s3cret")
+    store = store_at(etcd_server.endpoint, user="meshrun", password="s3cret")
+    try:
+        store.set_once("/meshrun/t/k", b"v")
+        store._gw.session.headers["Authorization"] = "stale.token"  # as after a token expiry
+        assert store.get("/meshrun/t/k").value == b"v"
+    finally:
+        store.close()
+    with pytest.raises(RendezvousError, match="wrong user name or password") as info:
+        store_at(etcd_server.endpoint, user="meshrun", password="nope")
+    assert not isinstance(info.value, StoreLostError)
+    with pytest.raises(RendezvousError, match="requires authentication"):
+        store_at(etcd_server.endpoint)
