@@ -19,9 +19,12 @@ Keys, under ``/meshrun/<run_id>/``::
 
 A round T is *open* while ``state.round == T`` and ``r<T>/closed`` is absent. Joining is one
 ``add`` and one write; a node then waits for the MIN-th slot to appear (one wait), waits out
-the last call (one wait), tries to close (one compare-and-set) and reads the membership (one
-get). Whoever closes the round decides the membership and node ranks for everybody, in one
-write-once key, so no two nodes can ever see different memberships for the same round.
+the last call (one wait) and reads the membership (one get). One node closes the round -- the
+one that drew the MAX-th number, or after the last call the first to have joined -- by reading
+every slot and writing the membership once (one compare-and-set); the others step in only if
+it has not closed within ``dead_after``. The closer decides the membership and node ranks for
+everybody, in one write-once key, so no two nodes can ever see different memberships for the
+same round.
 
 While a round runs, each member does two reads per monitor tick (the state, and the join
 counter of the next round: nodes waiting there mean scale-up), and a heartbeat thread beats
@@ -216,7 +219,10 @@ class Rendezvous:
                 self._joined = (target, seq)
             members = self._wait_for_close(target)
             if any(m.node_id == self.me.node_id for m in members):
-                return self._complete(target, members)
+                info = self._complete(target, members)
+                if info is not None:
+                    return info
+                continue
             if self._spare_noted != target:
                 self._spare_noted = target
                 log.warning(
@@ -230,6 +236,7 @@ class Rendezvous:
         closed_key = self._round_key(target, "closed")
         deadline: float | None = None
         last_call_at: float | None = None
+        step_in_at: float | None = None
         while True:
             closed = self.store.get(closed_key)
             if closed is not None:
@@ -257,7 +264,13 @@ class Rendezvous:
                 last_call_at = now + s.last_call_timeout
             count = close_decision(joined, s.min_nodes, s.max_nodes, now, last_call_at)
             if count:
-                self._try_close(target, count)
+                # One node closes the round (it reads every slot: O(N)); the others wait for it,
+                # and step in only when it has not closed within dead_after (it may have died).
+                if self._is_closer(joined, count) or (step_in_at is not None and now >= step_in_at):
+                    self._try_close(target, count)
+                    continue
+                step_in_at = step_in_at or now + s.dead_after
+                self.store.wait_for_change(closed_key, 0, max(0.0, step_in_at - now))
                 continue
             if now >= deadline:
                 raise RendezvousTimeoutError(
@@ -272,6 +285,12 @@ class Rendezvous:
                 wait_key, until = closed_key, min(last_call_at, deadline)
             self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
             self._heartbeat.check()
+
+    def _is_closer(self, joined: int, count: int) -> bool:
+        """The node that closes a round: the one that drew the MAX-th number, or, at the end of
+        the last call, the first to have joined."""
+        seq = self._joined[1]
+        return seq == count if joined >= self.settings.max_nodes else seq == 1
 
     def _watch_running_round(self, round: int) -> None:
         if self._watched_round == round:
@@ -298,7 +317,9 @@ class Rendezvous:
         payload = json.dumps([asdict(m) for m in members]).encode()
         self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
 
-    def _complete(self, target: int, members: list[NodeDesc]) -> RendezvousInfo:
+    def _complete(self, target: int, members: list[NodeDesc]) -> RendezvousInfo | None:
+        """This node's view of the closed round ``target``; None when the round had to be
+        abandoned (node rank 0 died before publishing the workers' store)."""
         node_rank = next(i for i, m in enumerate(members) if m.node_id == self.me.node_id)
         state, _ = self.read_state()
         master_key = self._round_key(target, "master")
@@ -306,12 +327,9 @@ class Rendezvous:
             addr, port = self._host_bootstrap()
             self.store.set_once(master_key, f"{addr}:{port}".encode())
         else:
-            item = self.store.wait_for_change(master_key, 0, self.settings.read_timeout)
+            item = self._wait_for_master(target, members[0].node_id)
             if item is None:
-                raise RendezvousError(
-                    f"round {target}: node rank 0 ({members[0].node_id}) did not publish the "
-                    f"workers' store within read_timeout={self.settings.read_timeout:g} s"
-                )
+                return None
             addr, _, port = item.value.decode().rpartition(":")
         self.me = replace(self.me, prev_rank=node_rank)
         self._joined = None
@@ -327,6 +345,29 @@ class Rendezvous:
         neighbour = members[(node_rank + 1) % len(members)]
         self._heartbeat.watch(neighbour.node_id if len(members) > 1 else None)
         return self.info
+
+    def _wait_for_master(self, target: int, rank0: str):
+        """Wait for node rank 0 to publish the workers' store; None if it died meanwhile (the
+        round is then moved on, spending nothing) or another node moved the round on."""
+        s = self.settings
+        self._heartbeat.watch(rank0)
+        deadline = self._clock() + s.read_timeout + s.dead_after
+        while self._clock() < deadline:
+            item = self.store.wait_for_change(
+                self._round_key(target, "master"), 0, s.keep_alive_interval
+            )
+            if item is not None:
+                return item
+            self._heartbeat.check()
+            if self.read_state()[0].round != target:
+                return None
+            if self._heartbeat.lost_neighbour is not None:
+                self.request_restart(f"node {rank0} lost", failure=False, round=target)
+                return None
+        raise RendezvousError(
+            f"round {target}: node rank 0 ({rank0}) did not publish the workers' store within "
+            f"read_timeout={s.read_timeout:g} s"
+        )
 
     # -- while workers run ---------------------------------------------------------------------
     def poll(self) -> str | None:

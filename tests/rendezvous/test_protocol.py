@@ -246,3 +246,39 @@ def test_store_operations_per_node_do_not_grow_with_n():
 
     small, large = ops_per_node(8), ops_per_node(256)
     assert large <= small + 6, (small, large)
+
+
+def _join_and_die(store, name, round_=0):
+    """A node that draws a number and writes its slot, then dies (never beats, never closes)."""
+    seq = store.add(f"/meshrun/job/r{round_}/joined", 1)
+    store.set_once(f"/meshrun/job/r{round_}/slot/{seq}", NodeDesc(name, "127.0.0.1", 1).to_json())
+
+
+def test_others_close_the_round_when_the_designated_closer_died():
+    """The node that drew the MAX-th number closes the round; if it died right after joining,
+    the others step in after dead_after."""
+    store, s = MemoryStore(), settings(2, 2)
+    a = make_node(store, s, "a")
+    result = []
+    t = threading.Thread(target=lambda: result.append(a.next_round()), daemon=True)
+    start = time.monotonic()
+    t.start()
+    while store.add("/meshrun/job/r0/joined", 0) < 1:
+        time.sleep(0.01)
+    _join_and_die(store, "b")  # draws number 2 = MAX: the designated closer
+    t.join(10)
+    assert [d.node_id for d in result[0].nodes] == ["a", "b"]
+    assert s.dead_after <= time.monotonic() - start < s.dead_after + 5
+    a.close()
+
+
+def test_a_dead_node_rank_0_after_the_close_starts_a_new_round():
+    """Node rank 0 died between the close and publishing the workers' store: the others see it
+    lost and meet again without it, instead of failing the rendezvous."""
+    store, s = MemoryStore(), settings(1, 2)
+    _join_and_die(store, "dead")  # draws number 1: node rank 0
+    a = make_node(store, s, "a")
+    info = a.next_round()
+    assert info.round == 1 and [d.node_id for d in info.nodes] == ["a"]
+    assert info.restart_count == 0
+    a.close()

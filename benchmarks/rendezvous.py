@@ -1,0 +1,608 @@
+"""Rendezvous benchmark: meshrun's protocol against torch's dynamic rendezvous, in the same run.
+
+    python benchmarks/rendezvous.py                       # all three parts, N = 8 64 256 1024
+    python benchmarks/rendezvous.py --parts 1 --sizes 8,64 --cap 60
+    python benchmarks/rendezvous.py --parts 3 --repeats 5
+
+Three parts, each printed as a markdown table with meshrun, torch and their ratio:
+
+1. Time to rank: N simulated agents (threads that only run the rendezvous, no workers) against
+   one TCPStore hosted in its own process; the time from "go" (every client connected) until
+   every agent has its node rank, and the store operations per agent. meshrun: each agent is a
+   ``Rendezvous`` over its own ``TCPStoreBackend`` client wrapped in a ``CountingStore``
+   (``next_round``); torch: ``DynamicRendezvousHandler.from_backend`` over a
+   ``C10dRendezvousBackend`` with its own ``TCPStore`` client (``next_rendezvous``). Every
+   (implementation, N) case runs in fresh processes, killed at ``--cap`` seconds; once torch
+   misses the cap, larger N are not run for it (``--torch-all`` runs them anyway).
+2. Dead-node detection at default settings: two agents complete a round, one (a subprocess) is
+   killed with SIGKILL, the survivor polls every 0.1 s. meshrun: until ``poll()`` returns a
+   reason containing "lost". torch: until the dead node is dropped from the rendezvous state
+   the survivor syncs (torch has no public "node lost" signal; its agent learns of a dead node
+   from its workers' collectives failing, or at the next rendezvous).
+3. A real two-agent launch on 127.0.0.1: ``meshrun`` vs ``torchrun``, ``--nnodes 2
+   --nproc-per-node 1 --rdzv-backend c10d``, one gloo worker each (``_rdzv_worker.py``); time
+   from starting both agents to both workers' line after ``init_process_group`` + all_reduce.
+   Repeats interleaved; medians reported.
+
+Helpers: ``_rdzv_children.py`` (the store host, agent-thread groups, the killed agent) and
+``_rdzv_worker.py`` (the gloo worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import queue
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHILDREN = HERE / "_rdzv_children.py"
+WORKER = HERE / "_rdzv_worker.py"
+PY = sys.executable
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="8,64,256,1024", help="N for part 1, comma-separated")
+    p.add_argument("--cap", type=float, default=120.0, help="seconds per (implementation, N)")
+    p.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1,3")
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=4,
+        help="processes meshrun's agent threads are spread over in part 1 (1024 "
+        "threads plus their 1024 heartbeat threads in one process spend the "
+        "run in GIL hand-offs on 2 cores); torch's run in one process, as "
+        "measured before",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="repeats for parts 2 and 3")
+    p.add_argument(
+        "--torch-all",
+        action="store_true",
+        help="run torch at every N even after it missed the cap at a smaller N",
+    )
+    p.add_argument("--impls", default="meshrun,torch", help="part 1: which sides to run")
+    p.add_argument(
+        "--connect-in-round",
+        action="store_true",
+        help="part 1: let meshrun open each heartbeat connection inside next_round "
+        "(as the agent does) instead of before the clock starts",
+    )
+    p.add_argument(
+        "--no-torch-dead",
+        action="store_true",
+        help="part 2: print torch's documented default instead of measuring it",
+    )
+    p.add_argument(
+        "--res-options",
+        default="timeout:1 attempts:1",
+        help="RES_OPTIONS (glibc resolver) for this run and its children; '' keeps "
+        "the environment's. On the sandbox this was written on, torch's "
+        "TCPStore client sometimes makes a reverse-DNS lookup on connect that "
+        "waits out the resolver's 5 s timeout; every address here is 127.0.0.1",
+    )
+    a = p.parse_args()
+    if a.res_options:
+        os.environ["RES_OPTIONS"] = a.res_options
+    sizes = [int(s) for s in a.sizes.split(",") if s]
+    parts = {int(s) for s in a.parts.split(",") if s}
+
+    print("# Rendezvous: meshrun vs torch\n")
+    print("command: `" + shlex.join(["python", *sys.argv]) + "`\n")
+    print(
+        f"machine: {os.cpu_count()} CPUs (nproc), {machine_line()}, load average "
+        f"{load()} at start\n"
+    )
+    if a.res_options:
+        print(
+            f"resolver: RES_OPTIONS='{a.res_options}' for every process of this run (see "
+            "--res-options)\n"
+        )
+    if 1 in parts:
+        part_time_to_rank(
+            sizes, a.cap, a.procs, a.torch_all, a.impls.split(","), a.connect_in_round
+        )
+    if 2 in parts:
+        part_dead_node(a.repeats, measure_torch=not a.no_torch_dead)
+    if 3 in parts:
+        part_launch(a.repeats)
+    print(f"load average at end: {load()}")
+
+
+# -- part 1 ---------------------------------------------------------------------------------------
+
+
+def part_time_to_rank(
+    sizes: list[int],
+    cap: float,
+    procs: int,
+    torch_all: bool,
+    impls: list[str],
+    connect_in_round: bool,
+) -> None:
+    print("## 1. Time to rank, N agents (threads) on one TCPStore\n")
+    torch_capped_at: int | None = None
+    rows = []
+    for n in sizes:
+        m = (
+            time_to_rank("meshrun", n, cap, procs, connect_in_round)
+            if "meshrun" in impls
+            else {"skipped": "not run"}
+        )
+        if "torch" not in impls:
+            t = {"skipped": "not run"}
+        elif torch_capped_at is not None and not torch_all:
+            t = {"skipped": f"not run (missed the cap at N={torch_capped_at})"}
+        else:
+            t = time_to_rank("torch", n, cap, 1)
+            if "time" not in t:
+                torch_capped_at = n
+        rows.append((n, m, t))
+        print(
+            f"<!-- N={n}: meshrun {summary(m)}; torch {summary(t)}; load {load()} -->", flush=True
+        )
+    print()
+    print(
+        "| N | meshrun time to rank | torch time to rank | torch / meshrun "
+        "| meshrun ops/agent: protocol (mean / max) | + heartbeat ops/agent | meshrun "
+        "TCPStore calls/agent | torch store ops/agent (mean / max) | torch state bytes/agent |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, m, t in rows:
+        ratio = (
+            f"{t['time'] / m['time']:.1f}x"
+            if "time" in m and "time" in t
+            else (
+                f"> {t['cap_lower'] / m['time']:.0f}x" if "time" in m and "cap_lower" in t else "-"
+            )
+        )
+        print(
+            f"| {n} | {cell_time(m)} | {cell_time(t)} | {ratio} "
+            f"| {cell_ops(m, 'ops')} | {cell_mean(m, 'beat_ops')} "
+            f"| {cell_mean(m, 'tcp_calls')} | {cell_ops(t, 'ops')} "
+            f"| {cell_bytes(t)} |"
+        )
+    print()
+    note = (
+        f"meshrun agents spread over {procs} processes; "
+        if procs > 1
+        else "meshrun agents: threads in one process; "
+    )
+    print(
+        f"Notes: {note}torch agents: threads in one process; the store is hosted in its own "
+        "process for both. Time from 'go' (all clients connected, all threads started) to "
+        "the last agent's node rank. meshrun protocol ops are `CountingStore` contract "
+        "operations inside `next_round` (heartbeat-thread beats counted apart: they grow with "
+        "elapsed time, 2/s, not with N); TCPStore calls are the raw client calls of the "
+        "protocol (a versioned get is check+get). torch ops are `C10dRendezvousBackend` "
+        "store calls; its state is one pickled blob of every node, rewritten by each.\n"
+    )
+
+
+def time_to_rank(impl: str, n: int, cap: float, procs: int, connect_in_round: bool = False) -> dict:
+    """Run one (implementation, N) case in fresh processes; see the module docstring."""
+    run_id = f"bench-{impl}-{n}-{uuid.uuid4().hex[:6]}"
+    timeout = cap + 30
+    children: list[Child] = []
+    try:
+        host = Child([PY, str(CHILDREN), "store-host", "--impl", impl, "--timeout", str(timeout)])
+        children.append(host)
+        port = int(host.expect("PORT", 60)[1])
+        groups = []
+        merged: queue.Queue = queue.Queue()  # every group's lines, in arrival order
+        per = -(-n // procs)
+        for first in range(0, n, per):
+            count = min(per, n - first)
+            g = Child(
+                [
+                    PY,
+                    str(CHILDREN),
+                    "agents",
+                    "--impl",
+                    impl,
+                    "--port",
+                    str(port),
+                    "--run-id",
+                    run_id,
+                    "--n",
+                    str(n),
+                    "--first",
+                    str(first),
+                    "--count",
+                    str(count),
+                    "--timeout",
+                    str(timeout),
+                ]
+                + (["--connect-in-round"] if connect_in_round else []),
+                lines=merged,
+            )
+            children.append(g)
+            groups.append(g)
+        setup_deadline = time.monotonic() + 300
+        try:
+            for _ in groups:
+                groups[0].expect("READY", setup_deadline - time.monotonic())
+        except RuntimeError as e:
+            return {"error": f"setup: {e}"}
+        t0 = time.time()
+        for g in groups:
+            g.send("GO")
+        deadline = time.monotonic() + cap
+        ranked: dict[int, list[str]] = {}
+        errors: list[str] = []
+        while len(ranked) + len(errors) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                line = merged.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                errors.append("an agent process exited early")
+                break
+            parts = line.split()
+            if parts[0] == "RANKED":
+                ranked[int(parts[1])] = parts[2:]
+            elif parts[0] == "ERROR":
+                errors.append(line)
+        if errors:
+            return {"error": errors[0], "ranked": len(ranked)}
+        if len(ranked) < n:
+            return {"cap_lower": cap, "ranked": len(ranked), "cap": cap}
+        ranks = sorted(int(v[0]) for v in ranked.values())
+        if ranks != list(range(n)):
+            return {"error": f"node ranks are not 0..N-1: {ranks[:10]}..."}
+        done = sorted(float(v[1]) - t0 for v in ranked.values())
+        out = {"time": done[-1], "first": done[0], "median": done[len(done) // 2]}
+        cols = ["ops", "beat_ops", "tcp_calls"] if impl == "meshrun" else ["ops", "nbytes"]
+        for j, col in enumerate(cols):
+            vals = [int(v[2 + j]) for v in ranked.values()]
+            out[col] = (statistics.mean(vals), max(vals))
+        if impl == "meshrun":  # phases: last join number drawn, first agent to see the close
+            out["last_join"] = max(float(v[5]) for v in ranked.values()) - t0
+            out["first_closed"] = min(float(v[6]) for v in ranked.values()) - t0
+        if impl == "meshrun":
+            for g in groups:
+                g.send("EXIT")
+            for g in groups:
+                g.wait(20)
+        return out
+    finally:
+        for c in reversed(children):
+            c.kill()
+
+
+def summary(r: dict) -> str:
+    out = cell_time(r)
+    if "last_join" in r:
+        out += (
+            f" (phases: last join at {r['last_join']:.2f} s, round closed by "
+            f"{r['first_closed']:.2f} s, first ranked {r['first']:.2f} s, median "
+            f"{r['median']:.2f} s)"
+        )
+    elif "first" in r:
+        out += f" (first agent ranked at {r['first']:.2f} s, median {r['median']:.2f} s)"
+    return out + (f", ops/agent {r['ops'][0]:.1f}" if "ops" in r else "")
+
+
+def cell_time(r: dict) -> str:
+    if "time" in r:
+        return f"{r['time']:.2f} s"
+    if "cap" in r:
+        return f"did not finish in {r['cap']:g} s ({r['ranked']} ranked)"
+    if "skipped" in r:
+        return r["skipped"]
+    return f"failed: {r.get('error', '?')}"
+
+
+def cell_ops(r: dict, col: str) -> str:
+    return f"{r[col][0]:.1f} / {r[col][1]}" if col in r else "-"
+
+
+def cell_mean(r: dict, col: str) -> str:
+    return f"{r[col][0]:.1f}" if col in r else "-"
+
+
+def cell_bytes(r: dict) -> str:
+    if "nbytes" not in r:
+        return "-"
+    b = r["nbytes"][0]
+    return f"{b / 1e6:.1f} MB" if b >= 1e6 else f"{b / 1e3:.0f} kB"
+
+
+# -- part 2 ---------------------------------------------------------------------------------------
+
+
+def part_dead_node(repeats: int, measure_torch: bool) -> None:
+    print("## 2. Dead-node detection, 2 agents, default settings, kill -9 of one\n", flush=True)
+    mesh = [dead_node_once("meshrun") for _ in range(repeats)]
+    torch_times = [dead_node_once("torch") for _ in range(repeats)] if measure_torch else []
+    m = statistics.median(mesh)
+    print("| | detection time (median) | runs | settings |")
+    print("|---|---:|---|---|")
+    print(
+        f"| meshrun | {m:.2f} s | {', '.join(f'{x:.2f}' for x in mesh)} "
+        "| keep_alive_interval 0.5 s x 5 attempts |"
+    )
+    if torch_times:
+        t = statistics.median(torch_times)
+        print(
+            f"| torch | {t:.2f} s | {', '.join(f'{x:.2f}' for x in torch_times)} "
+            "| keep_alive_interval 5 s x 3 attempts |"
+        )
+        print(f"| torch / meshrun | {t / m:.1f}x | | |")
+    else:
+        print(
+            "| torch | <= 15 s after its last beat (documented 5 s x 3, not measured) | | 5 s x 3 attempts |"
+        )
+        print(f"| torch / meshrun | ~{15 / m:.0f}x (documented, not measured) | | |")
+    print()
+    print(
+        "Notes: time from SIGKILL of the non-hosting agent to detection on the survivor, "
+        "which polls every 0.1 s; the kill lands at a random phase of the heartbeat. meshrun: "
+        '`Rendezvous.poll()` returns a reason with "lost". torch: measured through its '
+        "private state (`_state_holder.sync()`, as `num_nodes_waiting()` does) until the dead "
+        "node is dropped from the participants; torch has no public lost-node signal, so in "
+        "torchrun a dead node surfaces through failing collectives or the next "
+        "rendezvous.\n",
+        flush=True,
+    )
+
+
+def dead_node_once(impl: str) -> float:
+    sys.path.insert(0, str(HERE))
+    import _rdzv_children as kids
+
+    run_id = f"dead-{impl}-{uuid.uuid4().hex[:6]}"
+    children: list[Child] = []
+    try:
+        host = Child([PY, str(CHILDREN), "store-host", "--impl", impl, "--timeout", "60"])
+        children.append(host)
+        port = int(host.expect("PORT", 60)[1])
+        victim = Child(
+            [
+                PY,
+                str(CHILDREN),
+                "victim",
+                "--impl",
+                impl,
+                "--port",
+                str(port),
+                "--run-id",
+                run_id,
+                "--timeout",
+                "60",
+            ]
+        )
+        children.append(victim)
+        if impl == "meshrun":
+            from meshrun.rendezvous.api import NodeDesc, RendezvousSettings
+            from meshrun.rendezvous.c10d import TCPStoreBackend
+            from meshrun.rendezvous.protocol import Rendezvous
+
+            store = TCPStoreBackend("127.0.0.1", port, is_host=False, timeout=60)
+            rdzv = Rendezvous(
+                store,
+                RendezvousSettings(run_id, min_nodes=2, max_nodes=2),
+                NodeDesc("survivor", "127.0.0.1", 1),
+                host_bootstrap=lambda: ("127.0.0.1", 1),
+            )
+            rdzv.next_round()
+            interval = rdzv.settings.keep_alive_interval
+
+            def detected() -> bool:
+                reason = rdzv.poll()
+                return reason is not None and "lost" in reason
+        else:
+            handler = kids.torch_handler(port, run_id, 2, 60)
+            handler.next_rendezvous()
+            interval = handler.settings.keep_alive_interval.total_seconds()
+
+            def detected() -> bool:
+                with handler._heartbeat_lock:
+                    handler._state_holder.sync()
+                    return len(handler._state_holder.state.participants) < 2
+
+        victim.expect("RANKED", 60)
+        time.sleep(1.0 + random.uniform(0, interval))  # a random phase of the heartbeat
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        while not detected():
+            if time.monotonic() - t_kill > 60:
+                raise RuntimeError(f"{impl}: dead node not detected within 60 s")
+            time.sleep(0.1)
+        dt = time.monotonic() - t_kill
+        if impl == "meshrun":
+            rdzv.close()
+        else:
+            handler._stop_heartbeats()
+        print(f"<!-- dead node {impl}: {dt:.2f} s -->", flush=True)
+        return dt
+    finally:
+        for c in reversed(children):
+            c.kill()
+
+
+# -- part 3 ---------------------------------------------------------------------------------------
+
+
+def part_launch(repeats: int) -> None:
+    print("## 3. Two-agent launch on 127.0.0.1, 1 gloo worker per agent\n", flush=True)
+    times: dict[str, list[float]] = {"meshrun": [], "torchrun": []}
+    for i in range(repeats):
+        order = ["meshrun", "torchrun"] if i % 2 == 0 else ["torchrun", "meshrun"]
+        for impl in order:
+            dt = launch_once(impl)
+            times[impl].append(dt)
+            print(f"<!-- launch {impl}: {dt:.2f} s -->", flush=True)
+    m, t = statistics.median(times["meshrun"]), statistics.median(times["torchrun"])
+    print("| | start to both workers' line (median) | runs |")
+    print("|---|---:|---|")
+    print(f"| meshrun | {m:.2f} s | {', '.join(f'{x:.2f}' for x in times['meshrun'])} |")
+    print(f"| torchrun | {t:.2f} s | {', '.join(f'{x:.2f}' for x in times['torchrun'])} |")
+    print(f"| meshrun / torchrun | {m / t:.2f}x | |")
+    print()
+    print(
+        "Command per agent (both agents started at once, default --rdzv-conf): `<launcher> "
+        "--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "
+        "127.0.0.1:<free port> --rdzv-id <id> benchmarks/_rdzv_worker.py`, launcher "
+        "`python -m meshrun` or `python -m torch.distributed.run` (torchrun). Time until both "
+        "workers printed their line after init_process_group('gloo') + all_reduce (each "
+        "worker records its own time.time()).\n",
+        flush=True,
+    )
+
+
+def launch_once(impl: str) -> float:
+    port = free_port()
+    module = "meshrun" if impl == "meshrun" else "torch.distributed.run"
+    with tempfile.TemporaryDirectory(prefix="rdzv-bench-") as tmp:
+        env = dict(os.environ, RDZV_BENCH_DIR=tmp)
+        cmd = [
+            PY,
+            "-m",
+            module,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"launch-{uuid.uuid4().hex[:6]}",
+            str(WORKER),
+        ]
+        logs = [open(Path(tmp) / f"agent{i}.log", "w") for i in range(2)]
+        t0 = time.time()
+        procs = [
+            subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            for log in logs
+        ]
+        marks = [Path(tmp) / "rank0", Path(tmp) / "rank1"]
+        try:
+            while not all(m.exists() for m in marks):
+                if time.time() - t0 > 120 or any(p.poll() not in (None, 0) for p in procs):
+                    tails = [(Path(tmp) / f"agent{i}.log").read_text()[-800:] for i in range(2)]
+                    raise RuntimeError(f"{impl} launch failed or hung:\n" + "\n---\n".join(tails))
+                time.sleep(0.005)
+            dt = max(float(m.read_text()) for m in marks) - t0
+            for p in procs:
+                p.wait(timeout=60)
+            if any(p.returncode != 0 for p in procs):
+                tails = [(Path(tmp) / f"agent{i}.log").read_text()[-800:] for i in range(2)]
+                raise RuntimeError(
+                    f"{impl} agents exited {[p.returncode for p in procs]}:\n"
+                    + "\n---\n".join(tails)
+                )
+            return dt
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            for log in logs:
+                log.close()
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+class Child:
+    """A child process spoken to by lines on stdin/stdout (see ``_rdzv_children.py``)."""
+
+    def __init__(self, cmd: list[str], lines: queue.Queue | None = None):
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue = queue.Queue() if lines is None else lines  # may be shared
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def expect(self, word: str, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(
+                    f"no {word} from {self.proc.args[2:4]} in {timeout:g} s"
+                ) from None
+            if line is None:
+                raise RuntimeError(f"{self.proc.args[2:4]} exited before {word}")
+            if line.startswith(word):
+                return line.split()
+            if line.startswith("ERROR"):
+                raise RuntimeError(line)
+
+    def send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg()) + " (1/5/15 min)"
+
+
+def machine_line() -> str:
+    import torch
+
+    return (
+        f"{platform.machine()}, Linux {platform.release()}, Python "
+        f"{platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+if __name__ == "__main__":
+    main()
