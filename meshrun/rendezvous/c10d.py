@@ -17,7 +17,9 @@ on one. torch is imported lazily: only multi-node jobs pay for it, and only in t
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import threading
 import uuid
 from datetime import timedelta
 
@@ -33,14 +35,14 @@ AGENT_ONLY_ENV: dict[str, str | None] = {}
 def import_torch_distributed():
     """Import ``torch.distributed`` in the agent, with torch's C++ warnings off.
 
-    TCPStore logs a warning for every wait that times out, and the protocol's waits time out
-    routinely; the workers keep the user's own ``TORCH_CPP_LOG_LEVEL`` (see `AGENT_ONLY_ENV`).
+    TCPStore logs a warning for every wait that times out (the protocol's waits time out
+    routinely) and a C++ stack for every failed connection; the agent reports store trouble in
+    one line of its own instead. The workers keep the user's own ``TORCH_CPP_LOG_LEVEL`` (see
+    `AGENT_ONLY_ENV`).
     """
-    import os
-
     if "TORCH_CPP_LOG_LEVEL" not in AGENT_ONLY_ENV:
         AGENT_ONLY_ENV["TORCH_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL")
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     import torch.distributed as dist
 
     return dist
@@ -126,20 +128,56 @@ class TCPStoreBackend(Store):
     """
 
     def __init__(self, host: str, port: int, *, is_host: bool, timeout: float):
-        dist = import_torch_distributed()
-
         self.host, self.port, self.is_host, self.timeout = host, port, is_host, timeout
         self._writer = uuid.uuid4().hex[:8]
-        try:
-            self._store = dist.TCPStore(
-                host,
-                port,
-                is_master=is_host,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=timeout),
-                use_libuv=True,
+        before = _tcp_fds_to(host, port)
+        self._store = self._connect(host, port, is_host, timeout)
+        self.port = self._store.port
+        self.serves_others = is_host
+        if not is_host:
+            for fd in _tcp_fds_to(host, self.port) - before:
+                _fail_fast_when_silent(fd, timeout)
+
+    @staticmethod
+    def _connect(host: str, port: int, is_host: bool, timeout: float):
+        """Host or reach the store, bounded by ``timeout`` seconds.
+
+        TCPStore's client handshake has no deadline of its own: against a listener that is
+        not a TCPStore it waits forever. It runs on a thread here (it releases the GIL), so a
+        wrong endpoint is an error after ``timeout``, never a hang.
+        """
+        dist = import_torch_distributed()
+        outcome: list = []
+
+        def connect() -> None:
+            try:
+                outcome.append(
+                    dist.TCPStore(
+                        host,
+                        port,
+                        is_master=is_host,
+                        wait_for_workers=False,
+                        timeout=timedelta(seconds=timeout),
+                        use_libuv=True,
+                    )
+                )
+            except Exception as e:  # noqa: BLE001 - reported below
+                outcome.append(e)
+
+        before = _tcp_fds_to(host, port)
+        thread = threading.Thread(target=connect, name="meshrun-store-connect", daemon=True)
+        thread.start()
+        thread.join(timeout + 1.0)
+        if not outcome:
+            # Unblock the handshake (a thread stuck in C++ at exit would abort the process).
+            for fd in _tcp_fds_to(host, port) - before:
+                _shutdown(fd)
+            thread.join(5.0)
+            raise StoreLostError(
+                f"the rendezvous store at {host}:{port} did not answer within {timeout:g} s "
+                "(read_timeout): is something other than a meshrun/torch store listening there?"
             )
-        except Exception as e:
+        if isinstance(outcome[0], Exception):
             verb = "host" if is_host else "reach"
             hint = (
                 "is the port already in use?"
@@ -147,10 +185,10 @@ class TCPStoreBackend(Store):
                 else "is the node hosting the store up, and the endpoint right?"
             )
             raise StoreLostError(
-                f"cannot {verb} the rendezvous store at {host}:{port}: {_first_line(e)} ({hint})"
-            ) from None
-        self.port = self._store.port
-        self.serves_others = is_host
+                f"cannot {verb} the rendezvous store at {host}:{port}: "
+                f"{_first_line(outcome[0])} ({hint})"
+            )
+        return outcome[0]
 
     # -- helpers ---------------------------------------------------------------------------------
     def _lost(self, e: Exception) -> StoreLostError:
@@ -216,6 +254,56 @@ class TCPStoreBackend(Store):
 
     def close(self) -> None:
         self._store = None
+
+
+def _tcp_fds_to(host: str, port: int) -> set[int]:
+    """File descriptors of this process's TCP connections to ``host:port``."""
+    import psutil
+
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return set()
+    addrs |= {f"::ffff:{a}" for a in addrs}
+    return {
+        c.fd
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.fd != -1 and c.raddr and c.raddr.port == port and c.raddr.ip in addrs
+    }
+
+
+def _shutdown(fd: int) -> None:
+    """Shut down the socket behind ``fd`` (both directions), through a duplicate."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def _fail_fast_when_silent(fd: int, timeout: float) -> None:
+    """Make a store connection fail within about ``timeout`` seconds when its peer goes silent.
+
+    A host that vanishes (power, network cut) sends no RST: TCPStore would wait on the socket
+    forever. ``TCP_USER_TIMEOUT`` bounds how long sent data may stay unacknowledged, and
+    keep-alive probes cover a connection that is idle; the socket then errors, TCPStore raises,
+    and the agent reports the store as lost (exit 3). Set on a duplicate of the descriptor,
+    which shares the socket.
+    """
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 1000))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        interval = max(1, int(timeout / 3))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    except OSError:
+        pass  # not a TCP socket after all, or an option this kernel lacks
+    finally:
+        sock.close()  # closes the duplicate only; TCPStore's descriptor stays open
 
 
 def _first_line(e: BaseException) -> str:

@@ -432,7 +432,9 @@ def test_stop_a_worker_that_handles_sigterm_is_quick(tmp_path, groups):
     out = Recorder()
     g = groups([spec(tmp_path, 0, TERM_HANDLER)], None, console_stdout=out)
     g.start()
-    assert out.wait_for(b"ready", 10) is not None
+    # the whole line: print() under -u writes "ready" and "\n" apart; a SIGTERM between the two
+    # would leave "readybye\n" in the log (the worker's doing, not the forwarder's)
+    assert out.wait_for(b"ready\n", 10) is not None
     t0 = time.monotonic()
     g.stop(grace=10)
     assert time.monotonic() - t0 < 1.0
