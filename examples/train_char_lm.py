@@ -7,9 +7,19 @@ runs unchanged under ``torchrun``, under ``meshrun``, or as plain ``python`` (on
     torchrun --nproc-per-node 2 examples/train_char_lm.py --dp-mode torch-ddp
 
 Data parallelism: ``--dp-mode ddp`` (default) uses ``meshrun.parallel.ddp``; ``torch-ddp`` uses
-torch's ``DistributedDataParallel`` (the reference). Each step draws one global batch of random
+torch's ``DistributedDataParallel`` (the reference); ``fsdp`` shards each block, then the rest,
+with ``meshrun.parallel.fully_shard`` (ZeRO-3; no ``--checkpoint-dir`` yet). Each step draws one global batch of random
 windows from a generator seeded with (seed, step); rank r trains on its slice of it, so the
 data depend only on the step number (a resumed run sees exactly the batches it would have).
+
+Pipeline parallelism: ``--pp N`` (or ``--parallel pp``) splits the blocks into N stages with
+``meshrun.parallel.split_into_stages`` and trains them with ``--pp-schedule`` (1F1B by default)
+over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's on the same batch.
+
+Tensor parallelism: ``--tp N`` (or ``--parallel tp``) shards attention heads, MLP and the
+vocabulary over N ranks with ``meshrun.parallel.parallelize`` and `tp_plan` (Megatron-style,
+vocab-parallel loss); ``--sequence-parallel`` also shards norms and residuals along the
+sequence. Ranks of one TP group see the same batch; ``ddp`` runs over the rest of the world.
 
 Checkpoints (``--checkpoint-dir``): rank 0 writes model, optimizer, step and RNG state every
 ``--checkpoint-every`` steps and at the end, to a temporary file then ``os.replace`` (atomic),
@@ -36,7 +46,7 @@ N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
 DEFAULTS = dict(steps=300, batch_size=16, block_size=64, lr=3e-3, seed=1337, log_every=25,
                 checkpoint_every=100)
 # data-parallel strategies; --parallel X is a shorthand for the single-strategy cases
-DP_MODES = ("ddp", "torch-ddp")
+DP_MODES = ("ddp", "fsdp", "torch-ddp")
 
 
 def parse_args(argv=None):
@@ -50,10 +60,22 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"])
     p.add_argument("--dp-mode", choices=DP_MODES, default="ddp")
-    p.add_argument("--parallel", choices=DP_MODES, default=None, help="shorthand for --dp-mode")
+    p.add_argument("--parallel", choices=DP_MODES + ("tp", "pp"), default=None,
+                   help="shorthand for --dp-mode, or tp: --tp <world size>, pp: --pp <world size>")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron-style)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard norms "
+                   "and residuals along the sequence")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"),
+                   default="1f1b", help="with --pp: interleaved1f1b puts 2 stages on a rank")
+    p.add_argument("--pp-microbatches", type=int, default=4, help="with --pp: per step")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
     args = p.parse_args(argv)
-    if args.parallel is not None:
+    if args.parallel == "tp":
+        args.tp = int(os.environ.get("WORLD_SIZE", 1))
+    elif args.parallel == "pp":
+        args.pp = int(os.environ.get("WORLD_SIZE", 1))
+    elif args.parallel is not None:
         args.dp_mode = args.parallel
     return args
 
@@ -66,6 +88,7 @@ class Block(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
         self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.ln1 = nn.LayerNorm(n_embd)
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
@@ -74,11 +97,13 @@ class Block(nn.Module):
                                  nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # shapes from qkv, not x, and -1 for the head count: under tensor parallelism a rank
+        # holds n_head / tp heads, and under sequence parallelism x holds T / tp tokens
+        qkv = self.qkv(self.ln1(x))
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.mlp(self.ln2(x))
 
 
@@ -90,12 +115,13 @@ class CharLM(nn.Module):
         self.blocks = nn.Sequential(*[Block(n_embd, n_head) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size)
+        self.loss_fn = F.cross_entropy  # --tp: the vocab-parallel loss (logits stay sharded)
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.blocks(self.tok_emb(idx) + self.pos_emb(pos))
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return self.loss_fn(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
 # -------------------------------------------------------------------------------------------
@@ -163,7 +189,120 @@ def apply_torch_ddp(model, device):
     return DistributedDataParallel(model, device_ids=ids), model  # (wrapped, raw for state)
 
 
-STRATEGIES = {"ddp": apply_ddp, "torch-ddp": apply_torch_ddp}
+def apply_fsdp(model, device):
+    from meshrun.parallel import fully_shard
+
+    for block in model.blocks:  # one unit per block, then the root: embeddings, norm, head
+        fully_shard(block)
+    return fully_shard(model), model  # the optimizer steps on the shards it already holds
+
+
+STRATEGIES = {"ddp": apply_ddp, "fsdp": apply_fsdp, "torch-ddp": apply_torch_ddp}
+
+
+# -------------------------------------------------------------------------------------------
+# tensor parallelism (--tp N): Megatron-style, vocab-parallel embedding and loss; data
+# parallelism (meshrun ddp) over the remaining world_size / N ranks
+
+
+def tp_plan(sequence_parallel=False):
+    """The CharLM's TP plan: attention and MLP are column -> row pairs; vocab-parallel ends."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshrun.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    seq = Shard(1) if sequence_parallel else Replicate()  # activations between TP regions
+    plan = {
+        "tok_emb": RowwiseParallel(),  # vocab-parallel embedding (65 chars padded to 66)
+        "blocks.*.qkv": ColwiseParallel(input_layouts=seq, chunks=3),  # whole heads per rank
+        "blocks.*.proj": RowwiseParallel(output_layouts=seq),
+        "blocks.*.mlp.0": ColwiseParallel(input_layouts=seq),
+        "blocks.*.mlp.2": RowwiseParallel(output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, vocab_parallel=True),  # sharded logits
+    }
+    if sequence_parallel:  # split the sequence after the embeddings; norms on token shards
+        plan["blocks"] = PrepareModuleInput(input_layouts=Replicate(),
+                                            desired_input_layouts=Shard(1))
+        for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[name] = SequenceParallel()
+    return plan
+
+
+def apply_tp(model, tp, sequence_parallel):
+    """Shard the model over groups of ``tp`` ranks; return (model, dp_rank, dp_size)."""
+    from functools import partial
+
+    from meshrun.parallel import Mesh, ddp, parallelize, vocab_parallel_cross_entropy
+
+    world_size = dist.get_world_size()
+    if world_size % tp:
+        raise SystemExit(f"--tp {tp} must divide the world size {world_size}")
+    mesh = Mesh({"dp": world_size // tp, "tp": tp})
+    parallelize(model, mesh.group("tp"), tp_plan(sequence_parallel))
+    model.loss_fn = partial(vocab_parallel_cross_entropy, group=mesh.group("tp"))
+    if mesh.size("dp") > 1:
+        ddp(model, mesh.group("dp"))
+    return model, mesh.rank("dp"), mesh.size("dp")
+
+
+# -------------------------------------------------------------------------------------------
+# pipeline parallelism (--pp N): the blocks split into N stages (2N with interleaved 1F1B),
+# embeddings on the first, norm and head on the last; meshrun ddp over world_size / N ranks
+
+
+class Embed(nn.Module):  # the first stage's prologue: CharLM.forward's embedding line
+    def __init__(self, lm):
+        super().__init__()
+        self.tok_emb, self.pos_emb = lm.tok_emb, lm.pos_emb
+
+    def forward(self, idx):
+        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+
+
+class LMHead(nn.Module):  # the last stage's epilogue: final norm and head -> logits
+    def __init__(self, lm):
+        super().__init__()
+        self.ln_f, self.head = lm.ln_f, lm.head
+
+    def forward(self, x):
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def apply_pp(model, args):
+    """Split the model into stages; return (this rank's stage modules, schedule, dp rank/size)."""
+    from meshrun.parallel import Mesh, ddp
+    from meshrun.parallel.pipelining import pipeline, split_into_stages
+
+    world_size = dist.get_world_size()
+    if world_size % args.pp or args.tp > 1:
+        raise SystemExit(f"--pp {args.pp} must divide the world size {world_size} (and is not "
+                         f"combined with --tp yet)")
+    mesh = Mesh({"pp": args.pp, "dp": world_size // args.pp})
+    n_stages = args.pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
+    stages = split_into_stages(model.blocks, n_stages, first=Embed(model), last=LMHead(model))
+    schedule = pipeline(stages, mesh.group("pp"), schedule=args.pp_schedule,
+                        n_microbatches=args.pp_microbatches, loss_fn=lm_loss)
+    mine = nn.ModuleList(stage.submodule for stage in schedule.stages)
+    if mesh.size("dp") > 1:  # gradients synchronised once per step, on the last microbatch
+        for module in mine:
+            ddp(module, mesh.group("dp"))
+    return mine, schedule, mesh.rank("dp"), mesh.size("dp")
+
+
+def pp_step(schedule, x, y):
+    """Forward and backward of every microbatch; the mean loss on the last stage, else 0."""
+    losses = []
+    schedule.step(x, target=y, losses=losses, return_outputs=False)
+    return torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
 
 
 def main(argv=None):
@@ -186,17 +325,36 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts anyway)
     data, vocab_size = load_text()
     model = CharLM(vocab_size, args.block_size).to(device)
+    dp_rank, dp_size = rank, world_size
+    if args.tp > 1:  # shard before the optimizer sees the parameters
+        if args.checkpoint_dir:
+            raise SystemExit("--checkpoint-dir is not supported with --tp yet (sharded state)")
+        model, dp_rank, dp_size = apply_tp(model, args.tp, args.sequence_parallel)
+    schedule = None
+    if args.pp > 1:  # keep this rank's stages before the optimizer sees the parameters
+        if args.checkpoint_dir:
+            raise SystemExit("--checkpoint-dir is not supported with --pp yet (stages hold "
+                             "parts of the model)")
+        model, schedule, dp_rank, dp_size = apply_pp(model, args)
+    if args.dp_mode == "fsdp" and args.checkpoint_dir and distributed:
+        raise SystemExit("--checkpoint-dir is not supported with --dp-mode fsdp yet (rank 0 "
+                         "holds only its shards; see meshrun.parallel.full_state_dict)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     start = load_checkpoint(args.checkpoint_dir, model, optimizer, device)
     if master and start:
         print(f"resumed from step {start}", flush=True)
-    if distributed:
+    if distributed and args.tp == 1 and args.pp == 1:
         model, raw_model = STRATEGIES[args.dp_mode](model, device)
     else:
         raw_model = model
     if master:
         n_params = sum(p.numel() for p in raw_model.parameters())
-        print(f"{n_params / 1e6:.2f}M params | world {world_size} | dp-mode {args.dp_mode}",
+        mode = f"tp {args.tp}{' + sp' if args.sequence_parallel else ''} | dp {dp_size}" \
+            if args.tp > 1 else f"dp-mode {args.dp_mode}"
+        if args.pp > 1:
+            mode = f"pp {args.pp} ({args.pp_schedule}, {args.pp_microbatches} microbatches) " \
+                f"| dp {dp_size}"
+        print(f"{n_params / 1e6:.2f}M params (per rank) | world {world_size} | {mode}",
               flush=True)
 
     warmup = max(1, args.steps // 20)
@@ -209,11 +367,15 @@ def main(argv=None):
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch(data, step, args.seed, args.batch_size, args.block_size, rank,
-                         world_size)
-        loss = model(x.to(device), y.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        x, y = get_batch(data, step, args.seed, args.batch_size, args.block_size, dp_rank,
+                         dp_size)
+        if schedule is not None:  # --pp: the schedule runs forward and backward per microbatch
+            optimizer.zero_grad(set_to_none=True)
+            loss = pp_step(schedule, x.to(device), y.to(device))
+        else:
+            loss = model(x.to(device), y.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         optimizer.step()
 
         done = step + 1
@@ -221,7 +383,7 @@ def main(argv=None):
             loss = loss.detach()
             if distributed:
                 dist.all_reduce(loss)
-                loss /= world_size
+                loss /= world_size if schedule is None else dp_size  # --pp: last stage only
             ms = (time.perf_counter() - t0) * 1000 / (done - start)
             if master:
                 print(f"step {done} | loss {loss.item():.4f} | lr {lr:.2e} | {ms:.0f} ms/step",

@@ -7,12 +7,54 @@ model with an explicit process group or mesh; there are no module-level global g
 - `Mesh`: named N-D mesh of ranks, one process group per axis.
 - `ddp()`: data parallelism with bucketed, overlapped gradient all-reduce.
 - `agree_num_batches()`: uneven inputs; every rank runs the minimum number of batches.
+- `fully_shard()` + `MixedPrecisionPolicy`, `clip_grad_norm_()`, `full_state_dict()`: FSDP
+  (ZeRO-3), parameters sharded on dim 0, named as torch's FSDP2.
 - `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step).
+- `parallelize()` + `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, ...: tensor and
+  sequence parallelism (Megatron); `vocab_parallel_cross_entropy()`; `RNGTracker`.
+- `PipelineStage`, `split_into_stages()`, `ScheduleGPipe`, `Schedule1F1B`,
+  `ScheduleInterleaved1F1B`, `pipeline()`: pipeline parallelism; schedules are validated action
+  lists (`meshrun.parallel.pipelining` also has the validator and the simulator).
 """
 
 from meshrun.parallel.context import ParallelContext, init
 from meshrun.parallel.ddp import agree_num_batches, ddp
+from meshrun.parallel.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    clip_grad_norm_,
+    full_state_dict,
+    fully_shard,
+)
 from meshrun.parallel.heartbeat import heartbeat
 from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.pipelining import (
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    pipeline,
+    split_into_stages,
+)
+from meshrun.parallel.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    ShardedDropout,
+    full_tensor,
+    parallelize,
+)
+from meshrun.parallel.tp_random import RNGTracker
+from meshrun.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
-__all__ = ["Mesh", "ParallelContext", "agree_num_batches", "ddp", "heartbeat", "init"]
+__all__ = ["ColwiseParallel", "Mesh", "ParallelContext", "PrepareModuleInput",
+           "PrepareModuleOutput", "RNGTracker", "RowwiseParallel", "SequenceParallel",
+           "ShardedDropout", "agree_num_batches", "ddp", "full_tensor", "heartbeat", "init",
+           "parallelize", "vocab_parallel_cross_entropy"]
+__all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
+            "fully_shard"]
+__all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
+            "ScheduleInterleaved1F1B", "pipeline", "split_into_stages"]

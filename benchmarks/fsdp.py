@@ -1,0 +1,231 @@
+"""meshrun fully_shard vs torch FSDP2 fully_shard vs meshrun ddp: step time and memory.
+
+    .venv/bin/python benchmarks/fsdp.py [--steps 20] [--warmup 5] [--rounds 2]
+                                        [--models mlp-blocks char-lm] [--mmap-threshold BYTES]
+
+Same model, same data, 2 ranks on gloo (CPU, one thread per rank), Adam. The FSDP modes shard
+each block, then the root (``reshard_after_forward=True``: ZeRO-3). Every (model, mode) run is
+a fresh pair of processes, so peak RSS belongs to that mode alone; the modes alternate for
+``--rounds`` rounds so drift on a shared machine hits all of them. Columns:
+
+- ms/step: median over the timed steps of rank 0's wall time for zero_grad + forward +
+  backward (incl. communication) + optimizer step.
+- state MiB: bytes of parameters + gradients + optimizer state that rank holds after a step
+  (local shards for FSDP: ``DTensor.to_local()`` for torch's), max over ranks, MiB (2**20).
+- peak RSS MiB: ``ru_maxrss`` of the process, max over ranks (includes torch itself, ~300 MiB).
+  With glibc's default malloc, the FSDP modes' RSS grows over the first steps far above their
+  tensors: the per-unit transient buffers (gathered parameters, packed gradients) are freed
+  and reallocated every step and glibc's dynamic mmap threshold moves them onto the heap,
+  which fragments. ``--mmap-threshold 1048576`` (``MALLOC_MMAP_THRESHOLD_`` for the workers,
+  every mode alike) keeps large buffers in mmap and shows the RSS the tensors need.
+- The target for meshrun fully_shard: state <= ddp's / N + one unit's unsharded parameters
+  (printed as "bound"), and step time <= 1.2x torch FSDP2's.
+
+gloo has no native reduce-scatter: it emulates it (a reduce then a scatter, or an all-reduce),
+so these CPU times measure the library's overhead and overlap, not GPU (NCCL) times.
+
+Models: "mlp-blocks" (8 residual MLP blocks 512 -> 2048 -> 512, ~16.8M parameters, batch 32
+per rank) and examples/train_char_lm.py's CharLM at its default size (batch 16 x 64 tokens).
+"""
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "examples")]
+
+MODES = ("torch-fsdp2", "meshrun-fsdp", "meshrun-ddp")
+MiB = 2 ** 20
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width=512, hidden=2048):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class MLPBlocks(nn.Module):
+    def __init__(self, n_blocks=8, width=512):
+        super().__init__()
+        self.inp = nn.Linear(256, width)
+        self.blocks = nn.Sequential(*[MLPBlock(width) for _ in range(n_blocks)])
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x)))
+
+
+def make_mlp():
+    model = MLPBlocks()
+
+    def batch(step, rank):
+        g = torch.Generator().manual_seed(step * 2 + rank)
+        return torch.randn(32, 256, generator=g), torch.randint(10, (32,), generator=g)
+
+    def loss_fn(m, x, y):
+        return nn.functional.cross_entropy(m(x), y)
+
+    return model, batch, loss_fn
+
+
+def make_char_lm():
+    import train_char_lm as lm
+
+    data, vocab = lm.load_text()
+    model = lm.CharLM(vocab, lm.DEFAULTS["block_size"])
+
+    def batch(step, rank):
+        return lm.get_batch(data, step, 0, lm.DEFAULTS["batch_size"], lm.DEFAULTS["block_size"],
+                            rank, 2)
+
+    def loss_fn(m, x, y):
+        return m(x, y)
+
+    return model, batch, loss_fn
+
+
+MODELS = {"mlp-blocks": make_mlp, "char-lm": make_char_lm}
+
+
+def apply_mode(model, mode):
+    blocks = list(model.blocks)
+    if mode == "meshrun-ddp":
+        from meshrun.parallel import ddp
+
+        return ddp(model)
+    if mode == "meshrun-fsdp":
+        from meshrun.parallel import fully_shard
+
+        shard, kwargs = fully_shard, {}
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as shard
+
+        kwargs = {"mesh": init_device_mesh("cpu", (2,))}
+    for block in blocks:
+        shard(block, **kwargs)
+    return shard(model, **kwargs)
+
+
+def local_bytes(t):
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model, opt):
+    params = list(model.parameters())
+    total = sum(local_bytes(p) for p in params)
+    total += sum(local_bytes(p.grad) for p in params if p.grad is not None)
+    total += sum(local_bytes(v) for s in opt.state.values() for v in s.values()
+                 if torch.is_tensor(v))
+    return total
+
+
+def largest_unit_bytes(model):
+    """Bytes of the largest unit's unsharded parameters (a block, or the root's rest)."""
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
+    return max(block, rest)
+
+
+def worker(rank, model_name, mode, port, steps, warmup, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model, batch, loss_fn = MODELS[model_name]()
+    n_params = sum(p.numel() for p in model.parameters())
+    unit_bytes = largest_unit_bytes(model)
+    model = apply_mode(model, mode)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times = []
+    for step in range(warmup + steps):
+        x, y = batch(step, rank)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"times": times[warmup:], "rss_mib": rss_mib, "params": n_params,
+         "state_mib": state_bytes(model, opt) / MiB, "unit_mib": unit_bytes / MiB}))
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model_name, mode, steps, warmup):
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(worker, args=(model_name, mode, free_port(), steps, warmup, out), nprocs=2)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def main():
+    p = argparse.ArgumentParser(description="meshrun fully_shard vs torch FSDP2 vs meshrun ddp")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="set MALLOC_MMAP_THRESHOLD_ for the workers (glibc; see above)")
+    args = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if args.mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+
+    threshold = "" if args.mmap_threshold is None else f" --mmap-threshold {args.mmap_threshold}"
+    print(f"`python benchmarks/fsdp.py --steps {args.steps} --warmup {args.warmup} "
+          f"--rounds {args.rounds} --models {' '.join(args.models)}{threshold}` "
+          f"(2 ranks, gloo, CPU)\n")
+    print("| model | params | mode | ms/step | vs FSDP2 | state MiB | vs ddp | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model_name in args.models:
+        times = {m: [] for m in MODES}
+        rss = {m: 0.0 for m in MODES}
+        state = {m: 0.0 for m in MODES}
+        for _ in range(args.rounds):
+            for mode in MODES:
+                ranks = run(model_name, mode, args.steps, args.warmup)
+                times[mode] += ranks[0]["times"]
+                rss[mode] = max(rss[mode], *(r["rss_mib"] for r in ranks))
+                state[mode] = max(state[mode], *(r["state_mib"] for r in ranks))
+                params, unit_mib = ranks[0]["params"], ranks[0]["unit_mib"]
+        ms = {m: 1000 * statistics.median(times[m]) for m in MODES}
+        for mode in MODES:
+            print(f"| {model_name} | {params / 1e6:.1f}M | {mode} | {ms[mode]:.1f} | "
+                  f"{ms[mode] / ms['torch-fsdp2']:.2f}x | {state[mode]:.1f} | "
+                  f"{state[mode] / state['meshrun-ddp']:.2f}x | {rss[mode]:.0f} |")
+        bound = state["meshrun-ddp"] / 2 + unit_mib
+        print(f"| {model_name} | | bound | <= {1.2 * ms['torch-fsdp2']:.1f} | 1.20x | "
+              f"<= {bound:.1f} (ddp/2 + largest unit {unit_mib:.1f}) | | |")
+
+
+if __name__ == "__main__":
+    main()

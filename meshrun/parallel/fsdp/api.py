@@ -1,0 +1,187 @@
+"""The public surface: `fully_shard`, `FSDPModule`, `MixedPrecisionPolicy` (torch FSDP2's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.parallel.fsdp.state_dict import register_state_dict_hooks
+from meshrun.parallel.fsdp.unit import Unit
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of compute and communication; the sharded parameters keep their own dtype.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters: the all-gather and the forward/backward
+            run in it (e.g. ``torch.bfloat16``). None: the parameters' own dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter (and of gradient accumulation
+            without sync). None: ``param_dtype``. ``torch.float32`` with a bf16 ``param_dtype``
+            sums the ranks' bf16 gradients in fp32.
+        output_dtype: cast the unit's floating-point outputs to it (None: leave them).
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+
+    The sharded parameter (fp32 for an fp32 model) is the optimizer's master copy: updates are
+    never rounded to ``param_dtype`` (bf16 masters stop learning once the update falls below
+    bf16's resolution). Mirrors ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+class FSDPModule:
+    """Mixed into the class of every module passed to `fully_shard` (``isinstance`` works).
+
+    Mirrors ``torch.distributed.fsdp.FSDPModule``: runtime knobs are ``set_*`` methods.
+    """
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """Gradient accumulation: with False, backward communicates nothing and keeps the
+        unsharded gradients (one unsharded-size buffer per unit, in ``reduce_dtype``); the next
+        backward with True adds them in and reduce-scatters once. ``recurse``: also every
+        `fully_shard` unit below this module."""
+        for unit in self._fsdp_units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        """True: free the unsharded parameters after forward and all-gather again in backward
+        (ZeRO-3, least memory); False: keep them until the unit's backward (ZeRO-2, one
+        all-gather less per unit). The root unit is never resharded after forward."""
+        for unit in self._fsdp_units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def _fsdp_units(self, recurse: bool) -> list[Unit]:
+        modules = self.modules() if recurse else [self]
+        return [m._fsdp_unit for m in modules if isinstance(m, FSDPModule)]
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
+                reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Shard ``module``'s parameters on dim 0 across ``group``; return the same module.
+
+    Apply bottom-up: to each block first, then to the root. A call manages the parameters of
+    ``module`` that no earlier call manages (its sharded submodules are skipped): each parameter
+    of shape ``(d0, *rest)`` becomes, in place (same ``nn.Parameter`` object), this rank's
+    ``torch.chunk`` rows ``(ceil(d0/N) or fewer, *rest)``; uneven sizes are padded internally
+    only. Per forward and backward, the unit issues one all-gather before its forward, one
+    more before its backward if resharded, and one reduce-scatter of its gradients (averaged
+    over the group) when its backward finishes; ``shard.grad`` holds the result after
+    ``backward()``. Build the optimizer on ``module.parameters()`` (before or after).
+    Unlike FSDP2, parameters stay plain tensors (the local rows), not DTensors, so any torch
+    optimizer steps on them as is; clip with `clip_grad_norm_` (it reduces the norm across
+    ranks). Memory per rank: 1/N of parameters, gradients and optimizer state, plus the
+    unsharded parameters of the units currently unsharded (one or two with ZeRO-3).
+
+    ``module.state_dict()`` then holds ``DTensor`` s with ``Shard(0)`` placement (no
+    communication; ``torch.distributed.checkpoint`` can save and reshard them), and
+    ``load_state_dict`` accepts those or full tensors; `full_state_dict` gathers onto rank 0.
+
+    Args:
+        module: the block or model, on its device, with the same values on every rank (rank 0
+            of ``group`` broadcasts its values, as ``ddp`` does). One dtype per call.
+        group: process group to shard over (default: the whole world); e.g. ``mesh.group("dp")``.
+        reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (see
+            `FSDPModule.set_reshard_after_forward`).
+        mp_policy: `MixedPrecisionPolicy` (default: none, everything in the parameters' dtype).
+
+    Returns:
+        ``module``, its class now a subclass of `FSDPModule`.
+
+    Raises:
+        RuntimeError: the default process group is not initialised, or ``module`` was already
+            passed to ``fully_shard``.
+        ValueError: a parameter is already managed by another ``fully_shard`` call (shared
+            between two calls, or calls made top-down); a 0-dim parameter; parameters of
+            more than one dtype in one call. The message names the parameter and the fix.
+
+    Mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2; Zhao et al., "PyTorch FSDP", VLDB
+    2023) and ZeRO stage 3 (Rajbhandari et al., "ZeRO", SC 2020).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: the default process group is not initialised; "
+                           "call meshrun.parallel.init() first")
+    if isinstance(module, FSDPModule):
+        raise RuntimeError(f"fully_shard: this {type(module).__name__} was already passed to "
+                           f"fully_shard")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    params, aliases, fqns = _collect(module)
+    unit = Unit(module, group, params, aliases, fqns, reshard_after_forward, mp_policy)
+    for p in params:
+        p._fsdp_unit = unit
+    module._fsdp_unit = unit  # a plain attribute: not a submodule, not in state_dict
+    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True, prepend=True)
+    module.register_forward_hook(unit.post_forward, always_call=True)  # restore after errors
+    register_state_dict_hooks(module, unit)
+    cls = type(module)
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _FSDP_CLASSES[cls]
+    return module
+
+
+def _collect(module: nn.Module):
+    """The parameters this call manages, each once, with every (module, attribute) naming it."""
+    params: list[nn.Parameter] = []
+    aliases: list[list[tuple[nn.Module, str]]] = []
+    fqns: list[list[str]] = []  # names relative to ``module``, first one first
+    index: dict[int, int] = {}
+    for prefix, mod in _region(module, ""):
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            fqn = prefix + attr
+            owner = getattr(p, "_fsdp_unit", None)
+            if owner is not None:
+                raise ValueError(_shared_message(module, fqn, p, owner))
+            if id(p) in index:  # tied inside this call: one owner, several names
+                aliases[index[id(p)]].append((mod, attr))
+                fqns[index[id(p)]].append(fqn)
+                continue
+            if p.dim() == 0:
+                raise ValueError(f"fully_shard: parameter {fqn!r} is 0-dim and cannot be sharded "
+                                 f"on dim 0; make it a 1-element tensor (shape (1,))")
+            if params and p.dtype != params[0].dtype:
+                raise ValueError(f"fully_shard: parameter {fqn!r} is {p.dtype} but {fqns[0][0]!r} "
+                                 f"is {params[0].dtype}; one fully_shard call takes one dtype: "
+                                 f"convert the module (module.to(dtype)) or shard them in "
+                                 f"separate calls")
+            index[id(p)] = len(params)
+            params.append(p)
+            aliases.append([(mod, attr)])
+            fqns.append([fqn])
+    return params, aliases, fqns
+
+
+def _region(module: nn.Module, prefix: str):
+    """``module`` and its descendants, in registration order, minus sharded subtrees."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if not isinstance(child, FSDPModule):
+            yield from _region(child, f"{prefix}{name}.")
+
+
+def _shared_message(module: nn.Module, fqn: str, p: nn.Parameter, owner: Unit) -> str:
+    other = owner.fqns[next(i for i, q in enumerate(owner.params) if q is p)][0]
+    where = next((name for name, m in module.named_modules() if m is owner.module), None)
+    if where is not None:
+        return (f"fully_shard: parameter {fqn!r} is the same tensor as '{where}.{other}', which "
+                f"the separate fully_shard call on {where!r} already shards; a parameter "
+                f"shared by two modules must be sharded by one call: shard both modules in one "
+                f"call (do not fully_shard {where!r} on its own; its parent's call will manage "
+                f"it)")
+    return (f"fully_shard: parameter {fqn!r} is already sharded by the fully_shard call on a "
+            f"{type(owner.module).__name__} (as {other!r}); apply fully_shard bottom-up "
+            f"(each block first, then the root), and shard a shared parameter in one call")

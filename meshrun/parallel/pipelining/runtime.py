@@ -1,0 +1,485 @@
+"""`PipelineSchedule`: run one rank's action list, moving activations and gradients by p2p.
+
+The runtime executes exactly the list of `Action` it was given for this rank
+(``schedule.pipeline_order[rank]``, checked by `validate_schedule` at construction); the named
+schedules (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`) only choose the lists.
+After a step, ``schedule.last_actions`` is what this rank ran, for tests and debugging.
+
+One step (``step(*args, target=..., losses=[])``):
+
+- Microbatches: every tensor argument (and ``target``) is split along dim 0 into
+  ``n_microbatches`` equal chunks (the batch size must divide evenly); other arguments go to
+  every microbatch. Outputs of the last stage are concatenated back along dim 0.
+- Loss: ``loss_fn(output, target)`` per microbatch on the last stage. Backward starts from
+  ``loss / n_microbatches``: with a mean-reduced ``loss_fn`` and equal microbatches, the mean
+  of the microbatch means is the mean over the whole batch, so gradients equal those of the
+  unsplit model on the whole batch (``scale_grads=False``: the sum of the microbatch losses,
+  as torch's flag of that name). ``losses`` receives the unscaled per-microbatch losses.
+- ``F(s, m)``: receive the activation from stage s-1 (stage 0: the microbatch), run the
+  stage, send the output to stage s+1 (last stage: the loss). ``B(s, m)``: receive the
+  gradient of the output from stage s+1 (last stage: start from the loss), backward, send the
+  gradient of the input to stage s-1. Floating-point tensors carry gradients; integer ones
+  travel forward only. Neighbouring stages on one rank hand tensors over without a message.
+
+Point-to-point (c10d ``isend``/``irecv``, one tag per message so gloo matches by tag):
+
+- Sends never block: ``isend`` is issued after the action and its handle is only polled (to
+  free buffers) until the end of the step, where every send is waited. Hence two neighbouring
+  stages can never both wait to send; the only waits are receives, and the validator has
+  proved that each of them is satisfied (rule 5 of `validate`). Receives for the next action
+  are posted before the current one computes, so the transfer overlaps the compute.
+- Shapes: the first activation a stage receives in a step is preceded by a small int64 header
+  (count, dtype, shape of each tensor), so the receiver allocates the right buffer; the later
+  microbatches of the step must have the same shapes (checked by the sender: a different shape
+  is an error naming the stage, never a hang on a wrongly sized receive). A stage built with
+  ``input_args`` checks the header against them; a stage whose forward fails raises an error
+  naming the stage, the microbatch and the shapes it received. Gradients need no header: they
+  have the shapes of the outputs the receiver sent.
+
+Data parallelism beside the pipeline: a stage module with ``no_sync()`` (meshrun's ``ddp``)
+runs backward inside it for every microbatch but the last, and one with
+``set_requires_gradient_sync`` (FSDP-style) is switched off then on, so gradients are
+synchronised once per step, on the last microbatch.
+
+Eval: ``eval(*args, target=None, losses=None)`` runs the forwards of the same order under
+``torch.no_grad()`` (losses too when a target is given); nothing is kept for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshrun.parallel.heartbeat import heartbeat
+from meshrun.parallel.pipelining.actions import BACKWARD, FORWARD, Action, Order, stage_rank
+from meshrun.parallel.pipelining.orders import forward_only
+from meshrun.parallel.pipelining.stage import PipelineStage, as_tuple, tensor_meta
+from meshrun.parallel.pipelining.validate import validate_schedule
+
+MAX_TENSORS, MAX_DIMS = 8, 8  # per message between stages (the header has a fixed size)
+HEADER_LEN = 1 + MAX_TENSORS * (2 + MAX_DIMS)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+TAG_SLOTS = 16  # slot 0: header, 1..MAX_TENSORS: payload tensors
+
+
+class PipelineSchedule:
+    """Run a validated action list (``order``) on this rank's stages, one step at a time.
+
+    Args:
+        stages: this rank's `PipelineStage` objects (one, or several for interleaving), all
+            in the same pipeline group, and exactly the stages the order runs on this rank.
+        n_microbatches: microbatches per step; the batch size must be a multiple of it.
+        loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over the microbatch,
+            applied on the last stage; needed by `step`, optional for `eval`.
+        order: pipeline rank -> list of `Action`, for every rank of the group.
+        scale_grads: divide the loss by ``n_microbatches`` before backward (default), so
+            gradients equal the unsplit model's with a mean-reduced loss over the batch.
+
+    Raises:
+        ScheduleError: the order fails `validate_schedule` (a ValueError).
+        ValueError: no stages, stages from different groups or with different stage
+            counts, or stages that differ from those the order runs on this rank.
+
+    Attributes:
+        pipeline_order: the validated order of every rank (``dict[int, list[Action]]``).
+        last_actions: the actions this rank ran in its last `step` or `eval`, in order.
+
+    Mirrors torch's ``PipelineScheduleMulti`` / ``_PipelineScheduleRuntime`` (a schedule
+    defined by its ``pipeline_order`` table).
+    """
+
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, *, order: Order, scale_grads: bool = True):
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages:
+            raise ValueError("PipelineSchedule: give at least one PipelineStage")
+        head = stages[0]
+        for st in stages[1:]:
+            if (st.num_stages, st.group_size, st.group_rank) != (
+                    head.num_stages, head.group_size, head.group_rank) or st.group is not head.group:
+                raise ValueError(f"PipelineSchedule: {st} and {head} are not stages of the "
+                                 f"same pipeline (same group and num_stages)")
+        self.num_stages, self.rank, self.num_ranks = (head.num_stages, head.group_rank,
+                                                      head.group_size)
+        self.group = head.group
+        if len(order) != self.num_ranks:
+            raise ValueError(f"PipelineSchedule: the order has {len(order)} ranks but the "
+                             f"pipeline group has {self.num_ranks}")
+        validate_schedule(order, self.num_stages, n_microbatches)
+        eval_order = forward_only(order)
+        validate_schedule(eval_order, self.num_stages, n_microbatches, backward=False)
+        mine = sorted({a.stage for a in order[self.rank]})
+        given = sorted(st.stage_index for st in stages)
+        if mine != given:
+            raise ValueError(f"PipelineSchedule: the order runs stages {mine} on pipeline rank "
+                             f"{self.rank}, but this rank built stages {given}")
+        self.stages = stages
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.pipeline_order: Order = order
+        self.last_actions: list[Action] = []
+        self._eval_order = eval_order
+        self._by_index = {st.stage_index: st for st in stages}
+
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             **kwargs):
+        """Forward and backward of one batch; gradients accumulate into ``.grad``.
+
+        Args:
+            *args, **kwargs: the batch, used on the rank holding stage 0 (ignored elsewhere,
+                so every rank may pass it). Tensors are split along dim 0.
+            target: the targets, used on the rank holding the last stage; split along dim 0.
+            losses: if a list, the per-microbatch losses (detached) are appended to it on
+                the last stage's rank.
+            return_outputs: return the merged output on the last stage's rank.
+
+        Returns:
+            On the last stage's rank: the outputs of all microbatches concatenated along dim 0
+            (a tuple if the stage returns a tuple). Elsewhere: None.
+
+        Raises:
+            ValueError: no ``loss_fn``; no ``target`` on the last stage's rank; a batch
+                dimension not divisible by ``n_microbatches``; no batch on stage 0's rank.
+            RuntimeError: a stage's forward failed, or shapes between stages do not match
+                (the message names the stage and microbatch).
+
+        Mirrors ``torch.distributed.pipelining``'s ``schedule.step``.
+        """
+        if self.loss_fn is None:
+            raise ValueError("PipelineSchedule.step: training needs a loss_fn "
+                             "(use eval() for forward only)")
+        with torch.enable_grad():
+            return _Step(self, True, args, kwargs, target, losses,
+                         return_outputs).run(self.pipeline_order[self.rank])
+
+    def eval(self, *args, target=None, losses: list | None = None, **kwargs):
+        """Forward only, under ``torch.no_grad()``: same arguments and result as `step`.
+
+        With a ``target`` (and a ``loss_fn``) the per-microbatch losses are appended to
+        ``losses`` on the last stage's rank. No gradient is computed or synchronised.
+        """
+        with torch.no_grad():
+            return _Step(self, False, args, kwargs, target, losses,
+                         True).run(self._eval_order[self.rank])
+
+
+# -------------------------------------------------------------------------------------------
+# one step: per-step state and the execution of the action list
+
+
+class _Step:
+    def __init__(self, schedule: PipelineSchedule, training, args, kwargs, target, losses,
+                 return_outputs):
+        self.sched = schedule
+        self.training = training
+        self.losses = losses
+        self.return_outputs = return_outputs
+        m = schedule.n_microbatches
+        by_index = schedule._by_index
+        self.first = by_index.get(0)
+        self.last = by_index.get(schedule.num_stages - 1)
+        self.microbatches = None
+        if self.first is not None:
+            if not args and not kwargs:
+                raise ValueError("PipelineSchedule: this rank holds stage 0 and needs the "
+                                 "batch: step(inputs, target=...)")
+            self.microbatches = _split_args(args, kwargs, m)
+        self.targets = None
+        if self.last is not None:
+            if target is None and training:
+                raise ValueError(f"PipelineSchedule: this rank holds the last stage "
+                                 f"({schedule.num_stages - 1}) and needs target=...")
+            if target is not None and schedule.loss_fn is not None:
+                self.targets = _split(target, m, "target")
+        self.cache: dict[tuple[int, int], tuple[list, list]] = {}
+        self.outputs: dict[int, object] = {}
+        self.loss_values: dict[int, torch.Tensor] = {}
+        self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self.recvs: dict[Action, _Recv] = {}
+        self.in_meta: dict[int, list] = {}  # stage -> meta of its received inputs (this step)
+        self.out_meta: dict[int, list] = {}  # stage -> meta of its outputs (microbatch 0)
+        self.sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+
+    def run(self, actions: list[Action]):
+        sched = self.sched
+        sched.last_actions = []
+        for i, action in enumerate(actions):
+            inputs = self._wait_recv(action)
+            if i + 1 < len(actions):
+                self._post_recv(actions[i + 1])  # overlap the next transfer with this compute
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+            if action.kind == FORWARD:
+                self._forward(action, inputs)
+            else:
+                self._backward(action, inputs)
+            sched.last_actions.append(action)
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+        heartbeat()  # one step done: progress for `meshrun --hang-timeout`
+        if self.last is None:
+            return None
+        m = sched.n_microbatches
+        if self.losses is not None and self.loss_values:
+            self.losses.extend(self.loss_values[i] for i in range(m))
+        if not self.return_outputs:
+            return None
+        return _merge([self.outputs[i] for i in range(m)])
+
+    # -- compute ----------------------------------------------------------------------------
+
+    def _forward(self, action: Action, received):
+        s, m = action.stage, action.microbatch
+        stage = self.sched._by_index[s]
+        if stage.is_first:
+            args, kwargs = self.microbatches[m]
+            inputs = []
+        else:
+            inputs = received
+            if self.training:
+                for x in inputs:
+                    if x.is_floating_point():
+                        x.requires_grad_(True)
+            args, kwargs = tuple(inputs), {}
+        output = stage.forward_one(m, args, kwargs)
+        if stage.is_last:
+            self.outputs[m] = _detach(output) if self.return_outputs else None
+            if self.targets is not None:
+                loss = self.sched.loss_fn(output, self.targets[m])
+                self.loss_values[m] = loss.detach()
+                if self.training:
+                    self.cache[(s, m)] = (inputs, [loss])
+            return
+        outputs = list(as_tuple(output))
+        self._check_outputs(stage, m, outputs)
+        if self.training:
+            self.cache[(s, m)] = (inputs, outputs)
+        self._send(FORWARD, s + 1, m, [o.detach() for o in outputs], header=m == 0)
+
+    def _backward(self, action: Action, grads):
+        s, m = action.stage, action.microbatch
+        stage = self.sched._by_index[s]
+        inputs, outputs = self.cache.pop((s, m))
+        if stage.is_last:
+            scale = 1.0 / self.sched.n_microbatches if self.sched.scale_grads else 1.0
+            tensors, grad_tensors = outputs, [torch.full_like(outputs[0], scale)]
+        else:
+            floats = [o for o in outputs if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
+            tensors, grad_tensors = [o for o, _ in pairs], [g for _, g in pairs]
+        with _gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        if not stage.is_first:
+            input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
+                           for x in inputs if x.is_floating_point()]
+            self._send(BACKWARD, s - 1, m, input_grads, header=False)
+
+    def _check_outputs(self, stage: PipelineStage, m: int, outputs: list):
+        bad = [type(o).__name__ for o in outputs if not isinstance(o, torch.Tensor)]
+        if bad or not 1 <= len(outputs) <= MAX_TENSORS:
+            raise RuntimeError(f"pipeline stage {stage.stage_index}: a stage before the last "
+                               f"must return a tensor or a tuple of 1..{MAX_TENSORS} tensors "
+                               f"(got {len(outputs)} values; non-tensors: {bad})")
+        meta = tensor_meta(outputs)
+        if stage.stage_index not in self.out_meta:
+            for shape, _ in meta:
+                if len(shape) > MAX_DIMS:
+                    raise RuntimeError(f"pipeline stage {stage.stage_index}: outputs may have "
+                                       f"at most {MAX_DIMS} dims (got shape {shape})")
+            self.out_meta[stage.stage_index] = meta
+        elif meta != self.out_meta[stage.stage_index]:
+            raise RuntimeError(
+                f"pipeline stage {stage.stage_index}: microbatch {m} produced outputs "
+                f"{_fmt(meta)} but microbatch 0 produced {_fmt(self.out_meta[stage.stage_index])};"
+                f" the microbatches of a step must have the same shapes between stages")
+
+    # -- communication ----------------------------------------------------------------------
+
+    def _peer(self, stage: int) -> int:
+        return stage_rank(stage, self.sched.num_ranks)
+
+    def _tag(self, kind: str, dst_stage: int, m: int, slot: int) -> int:
+        direction = 1 if kind == BACKWARD else 0
+        return ((dst_stage * 2 + direction) * self.sched.n_microbatches + m) * TAG_SLOTS + slot
+
+    def _send(self, kind: str, dst_stage: int, m: int, tensors: list[torch.Tensor],
+              header: bool):
+        dst = self._peer(dst_stage)
+        if dst == self.sched.rank:  # neighbour on this rank: hand over without a message
+            self.local[(kind, dst_stage, m)] = tensors
+            return
+        group = self.sched.group
+        tensors = [t.contiguous() for t in tensors]
+        if header:
+            head = _encode_header(tensors, tensors[0].device if tensors else None)
+            work = dist.isend(head, group=group, group_dst=dst,
+                              tag=self._tag(kind, dst_stage, m, 0))
+            self.sends.append((work, [head]))
+        for i, t in enumerate(tensors):
+            work = dist.isend(t, group=group, group_dst=dst,
+                              tag=self._tag(kind, dst_stage, m, 1 + i))
+            self.sends.append((work, [t]))
+
+    def _source(self, action: Action) -> int | None:
+        """The stage whose message ``action`` needs, or None (stage 0 F, last stage B)."""
+        if action.kind == FORWARD:
+            return action.stage - 1 if action.stage > 0 else None
+        return action.stage + 1 if action.stage < self.sched.num_stages - 1 else None
+
+    def _post_recv(self, action: Action):
+        src_stage = self._source(action)
+        if (src_stage is None or action in self.recvs
+                or self._peer(src_stage) == self.sched.rank):
+            return
+        s, m, kind = action.stage, action.microbatch, action.kind
+        recv = _Recv(self._peer(src_stage))
+        if kind == BACKWARD and s not in self.out_meta:
+            return  # shapes known once F(s, 0) has run: post at wait
+        if kind == FORWARD and s not in self.in_meta:
+            if m != 0:
+                return  # shapes unknown until microbatch 0's header arrives: post at wait
+            recv.header = torch.empty(HEADER_LEN, dtype=torch.int64,
+                                      device=self.sched._by_index[s].device)
+            recv.works.append(self._irecv(recv.header, recv.src, kind, s, m, 0))
+        else:
+            if kind == FORWARD:
+                meta = self.in_meta[s]
+            else:
+                meta = [x for x in self.out_meta[s] if x[1].is_floating_point]
+            self._post_payload(recv, meta, kind, s, m)
+        self.recvs[action] = recv
+
+    def _post_payload(self, recv: _Recv, meta, kind, s, m):
+        device = self.sched._by_index[s].device
+        recv.tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta]
+        recv.works += [self._irecv(t, recv.src, kind, s, m, 1 + i)
+                       for i, t in enumerate(recv.tensors)]
+
+    def _irecv(self, tensor, src, kind, s, m, slot):
+        return dist.irecv(tensor, group=self.sched.group, group_src=src,
+                          tag=self._tag(kind, s, m, slot))
+
+    def _wait_recv(self, action: Action):
+        src_stage = self._source(action)
+        if src_stage is None:
+            return None
+        if self._peer(src_stage) == self.sched.rank:
+            return self.local.pop((action.kind, action.stage, action.microbatch))
+        if action not in self.recvs:
+            self._post_recv(action)
+        if action not in self.recvs:  # a later microbatch whose shapes come from microbatch 0
+            raise RuntimeError(f"pipeline stage {action.stage}: {action} runs before the "
+                               f"stage received microbatch 0")
+        recv = self.recvs.pop(action)
+        for work in recv.works:
+            work.wait()
+        if recv.header is not None:
+            meta = _decode_header(recv.header)
+            self._check_header(action.stage, meta)
+            self.in_meta[action.stage] = meta
+            recv.header, recv.works = None, []
+            self._post_payload(recv, meta, action.kind, action.stage, action.microbatch)
+            for work in recv.works:
+                work.wait()
+        return recv.tensors
+
+    def _check_header(self, s: int, meta):
+        expected = self.sched._by_index[s].input_meta
+        if expected is not None and expected != meta:
+            raise RuntimeError(
+                f"pipeline stage {s} (pipeline rank {self.sched.rank}): stage {s - 1} sent "
+                f"{_fmt(meta)}, but stage {s} was declared (input_args) to take "
+                f"{_fmt(expected)}; fix the split so that stage {s - 1}'s output is stage "
+                f"{s}'s input")
+
+
+class _Recv:
+    """A receive in flight: the header (first microbatch) or the payload buffers."""
+
+    def __init__(self, src: int):
+        self.src = src
+        self.header: torch.Tensor | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.works: list[dist.Work] = []
+
+
+# -------------------------------------------------------------------------------------------
+# helpers
+
+
+def _gradient_sync(module, sync: bool):
+    """Data parallelism beside the pipeline: synchronise gradients only when ``sync``."""
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP-style
+        module.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(module, "no_sync"):  # meshrun ddp (and DDP-style no_sync)
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def _split(value, m: int, what: str):
+    if not isinstance(value, torch.Tensor):
+        return [value] * m
+    if value.dim() == 0 or value.shape[0] % m:
+        size = value.shape[0] if value.dim() else "none (a scalar)"
+        raise ValueError(f"PipelineSchedule: {what} has batch dimension {size}, which is not "
+                         f"a multiple of n_microbatches={m}")
+    return list(value.split(value.shape[0] // m))
+
+
+def _split_args(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+    per_arg = [_split(a, m, f"argument {i}") for i, a in enumerate(args)]
+    per_kwarg = {k: _split(v, m, f"argument {k!r}") for k, v in kwargs.items()}
+    return [(tuple(parts[i] for parts in per_arg), {k: v[i] for k, v in per_kwarg.items()})
+            for i in range(m)]
+
+
+def _merge(outputs: list):
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs) if outputs[0].dim() else torch.stack(outputs)
+    if isinstance(outputs[0], tuple):
+        return tuple(_merge(list(parts)) for parts in zip(*outputs, strict=True))
+    return outputs
+
+
+def _detach(output):
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, tuple):
+        return tuple(_detach(o) for o in output)
+    return output
+
+
+def _encode_header(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    head[0] = len(tensors)
+    for i, t in enumerate(tensors):
+        if t.dtype not in DTYPES:
+            raise RuntimeError(f"pipeline: cannot send a tensor of dtype {t.dtype} between "
+                               f"stages (supported: {', '.join(map(str, DTYPES))})")
+        base = 1 + i * (2 + MAX_DIMS)
+        head[base] = DTYPES.index(t.dtype)
+        head[base + 1] = t.dim()
+        head[base + 2:base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return head.to(device) if device is not None else head
+
+
+def _decode_header(head: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    values = head.tolist()
+    meta = []
+    for i in range(values[0]):
+        base = 1 + i * (2 + MAX_DIMS)
+        ndim = values[base + 1]
+        meta.append((tuple(values[base + 2:base + 2 + ndim]), DTYPES[values[base]]))
+    return meta
+
+
+def _fmt(meta) -> str:
+    return "[" + ", ".join(f"{shape} {str(dtype).replace('torch.', '')}"
+                           for shape, dtype in meta) + "]"

@@ -1,0 +1,245 @@
+"""Pipeline checks on a 2-process gloo group (one launch for all of them).
+
+Every rank builds the same full model (same seed) and a deep copy as the single-process
+reference, trained on the whole batch with a mean-reduced loss. The pipeline ranks keep their
+stages of the full model; after each step the loss (mean of the microbatch losses), every local
+parameter's gradient and, after an SGD step, every local parameter must match the reference,
+and the rank must have run exactly the action list the validator accepted.
+"""
+
+import copy
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.parallel import init
+from meshrun.parallel.pipelining import (
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    parse_order,
+    split_into_stages,
+)
+from tests.parallel.harness import report
+
+STEPS = 2
+BATCH = 8
+DIM, IN, OUT = 16, 6, 3
+
+
+class Block(nn.Module):
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def make_model(n_blocks):
+    torch.manual_seed(0)
+    first, last = nn.Linear(IN, DIM), nn.Linear(DIM, OUT)
+    blocks = [Block() for _ in range(n_blocks)]
+    return nn.Sequential(first, *blocks, last), first, blocks, last
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def close(a, b, what):
+    torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
+
+
+def local_params(schedule):
+    return {id(p) for st in schedule.stages for p in st.submodule.parameters()}
+
+
+def parity(schedule, full, ref, rank, steps=STEPS):
+    """Step the pipeline and the reference side by side; compare everything local."""
+    mine = local_params(schedule)
+    opt = torch.optim.SGD([p for p in full.parameters() if id(p) in mine], lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    holds_last = any(st.is_last for st in schedule.stages)
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        losses = []
+        out = schedule.step(x, target=y, losses=losses)
+        ref_opt.zero_grad()
+        ref_out = ref(x)
+        ref_loss = mse(ref_out, y)
+        ref_loss.backward()
+        if schedule.last_actions != schedule.pipeline_order[rank]:
+            raise AssertionError(f"rank {rank} ran {list(map(str, schedule.last_actions))}, "
+                                 f"expected {list(map(str, schedule.pipeline_order[rank]))}")
+        if holds_last:
+            assert len(losses) == schedule.n_microbatches, losses
+            close(torch.stack(losses).mean(), ref_loss.detach(), f"step {step} loss")
+            close(out, ref_out.detach(), f"step {step} output")
+        else:
+            assert out is None and losses == [], (out, losses)
+        for (name, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
+                                     strict=True):
+            if id(p) not in mine:
+                assert p.grad is None, f"{name} is not on this rank but got a gradient"
+                continue
+            close(p.grad, q.grad, f"step {step} grad {name}")
+        opt.step()
+        ref_opt.step()
+        for (name, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
+                                     strict=True):
+            if id(p) in mine:
+                close(p.detach(), q.detach(), f"step {step} param {name}")
+
+
+def build(n_stages, rank, world, schedule_cls, n_microbatches, n_blocks=4):
+    full, first, blocks, last = make_model(n_blocks)
+    ref = copy.deepcopy(full)
+    modules = split_into_stages(blocks, n_stages, first=first, last=last)
+    stages = [PipelineStage(modules[s], s, n_stages) for s in range(rank, n_stages, world)]
+    if schedule_cls is ScheduleInterleaved1F1B:
+        schedule = schedule_cls(stages, n_microbatches, mse)
+    else:
+        schedule = schedule_cls(stages[0], n_microbatches, mse)
+    return schedule, full, ref
+
+
+def check_gpipe(ctx):
+    parity(*build(2, ctx.rank, 2, ScheduleGPipe, 4)[:3], ctx.rank)
+
+
+def check_1f1b(ctx):
+    parity(*build(2, ctx.rank, 2, Schedule1F1B, 4), ctx.rank)
+
+
+def check_1f1b_many_microbatches(ctx):
+    parity(*build(2, ctx.rank, 2, Schedule1F1B, 8), ctx.rank)
+
+
+def check_interleaved(ctx):
+    schedule, full, ref = build(4, ctx.rank, 2, ScheduleInterleaved1F1B, 4)
+    assert [st.stage_index for st in schedule.stages] == [ctx.rank, ctx.rank + 2]
+    parity(schedule, full, ref, ctx.rank)
+
+
+def check_interleaved_eight_stages(ctx):
+    """v = 4 chunks per rank (8 stages of one block), m = 2 microbatches."""
+    parity(*build(8, ctx.rank, 2, ScheduleInterleaved1F1B, 2, n_blocks=8), ctx.rank)
+
+
+CUSTOM = {0: "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", 1: "1F0 1B0 1F1 1B1 1F2 1F3 1B2 1B3"}
+
+
+def check_custom_order(ctx):
+    full, first, blocks, last = make_model(4)
+    ref = copy.deepcopy(full)
+    modules = split_into_stages(blocks, 2, first=first, last=last)
+    stage = PipelineStage(modules[ctx.rank], ctx.rank, 2)
+    schedule = PipelineSchedule(stage, 4, mse, order=parse_order(CUSTOM))
+    parity(schedule, full, ref, ctx.rank)
+    assert " ".join(map(str, schedule.last_actions)) == CUSTOM[ctx.rank]
+
+
+def check_eval(ctx):
+    schedule, full, ref = build(4, ctx.rank, 2, ScheduleInterleaved1F1B, 4)
+    x, y = data(0)
+    losses = []
+    out = schedule.eval(x, target=y, losses=losses)
+    assert all(p.grad is None for p in full.parameters()), "eval produced gradients"
+    assert all(a.kind == "F" for a in schedule.last_actions)
+    if ctx.rank == 1:  # holds the last stage (3)
+        with torch.no_grad():
+            ref_out = ref(x)
+            ref_losses = [mse(ref_out[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2])
+                          for i in range(4)]
+        close(out, ref_out, "eval output")
+        close(torch.stack(losses), torch.stack(ref_losses), "eval losses")
+    else:
+        assert out is None
+
+
+class First(nn.Module):
+    """Returns a float activation and an integer mask: a tuple crosses the stage boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN, DIM)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)), (x[:, :1] > 0).long()
+
+
+class Last(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(DIM, OUT)
+
+    def forward(self, h, mask):
+        return self.fc(h) * (1 + mask)
+
+
+def check_tuple_and_int_tensors(ctx):
+    torch.manual_seed(0)
+    full = nn.ModuleList([First(), Last()])
+    ref = copy.deepcopy(full)
+    schedule = Schedule1F1B(PipelineStage(full[ctx.rank], ctx.rank, 2), 2, mse)
+
+    class Ref(nn.Module):
+        def __init__(self, pair):
+            super().__init__()
+            self.pair = pair
+
+        def forward(self, x):
+            return self.pair[1](*self.pair[0](x))
+
+    parity(schedule, full, Ref(ref), ctx.rank)
+
+
+def check_scale_grads_false(ctx):
+    """scale_grads=False: the gradient of the sum of microbatch losses (torch's flag)."""
+    full, first, blocks, last = make_model(2)
+    ref = copy.deepcopy(full)
+    modules = split_into_stages(blocks, 2, first=first, last=last)
+    schedule = ScheduleGPipe(PipelineStage(modules[ctx.rank], ctx.rank, 2), 4, mse,
+                             scale_grads=False)
+    x, y = data(0)
+    schedule.step(x, target=y)
+    ref_out = ref(x)
+    sum(mse(ref_out[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(4)).backward()
+    mine = local_params(schedule)
+    for (name, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(), strict=True):
+        if id(p) in mine:
+            close(p.grad, q.grad, f"grad {name}")
+
+
+CHECKS = [check_gpipe, check_1f1b, check_1f1b_many_microbatches, check_interleaved,
+          check_interleaved_eight_stages, check_custom_order, check_eval,
+          check_tuple_and_int_tensors, check_scale_grads_false]
+
+
+def main():
+    ctx = init(timeout=60)
+    results = {}
+    for check in CHECKS:
+        try:
+            check(ctx)
+            results[check.__name__] = "ok"
+        except Exception:
+            results[check.__name__] = traceback.format_exc()
+        dist.barrier()  # a failed check must not leave messages for the next one
+    report(results)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
