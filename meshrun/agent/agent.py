@@ -320,18 +320,12 @@ class Agent:
     def _start_group(self, info: RendezvousInfo, reaper: Reaper) -> None:
         c = self.config
         attempt_dir = self._log_dir() / f"attempt_{info.round}"
-        if info.round == 0 or not hasattr(self, "_announced"):
-            self._announced = True
-            say(
-                f"round {info.round}: node rank {info.node_rank} of {info.num_nodes}, "
-                f"ranks {info.rank_offset}..{info.rank_offset + info.local_world_size - 1} of "
-                f"world size {info.world_size}; logs in {self._log_dir()}"
-            )
-        else:
-            say(
-                f"round {info.round}: node rank {info.node_rank} of {info.num_nodes}, "
-                f"world size {info.world_size}, restart count {info.restart_count}"
-            )
+        ranks = f"ranks {info.rank_offset}..{info.rank_offset + info.local_world_size - 1}"
+        say(
+            f"round {info.round}: node rank {info.node_rank} of {info.num_nodes}, {ranks} of "
+            f"world size {info.world_size}, restart count {info.restart_count}; "
+            f"logs in {attempt_dir}"
+        )
         specs = [
             self._spec(info, local_rank, attempt_dir) for local_rank in range(c.nproc_per_node)
         ]
