@@ -1,6 +1,11 @@
 """Child processes of ``benchmarks/rendezvous.py``: a store host, a group of agent threads, and
 a lone agent that is killed (dead-node detection).
 
+``--impl``: ``meshrun`` (meshrun's protocol on a TCPStore, the c10d backend), ``etcd``
+(meshrun's protocol on etcd v3 through its JSON gateway, ``--endpoint host:port``; the parent
+runs the etcd server, so there is no store-host for it) or ``torch`` (torch's dynamic
+rendezvous on a TCPStore).
+
 Each runs in its own process so that a stuck case (torch's rendezvous at large N) can be killed
 by the parent without polluting later measurements, and so that the store server does not
 share a GIL with the agents it serves. The parent talks to them over stdin/stdout, one line
@@ -9,12 +14,16 @@ per message:
     store-host   -> "PORT <port>"; serves until its stdin closes.
     agents       -> "READY"; <- "GO"; -> "RANKED <idx> <node_rank> <t_done> <ops...>" per agent
                     (t_done: time.time()), "ERROR <idx> <message>"; <- "EXIT".
+                    meshrun and etcd: <ops...> = protocol ops, heartbeat ops, raw store calls
+                    (TCPStore calls; etcd: HTTP requests of the protocol), t_joined, t_closed;
+                    etcd adds the heartbeat's HTTP requests.
     victim       -> "RANKED <node_rank>"; then sleeps until killed (kill -9 by the parent).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import sys
@@ -48,6 +57,8 @@ _print_lock = threading.Lock()
 def store_host(impl: str, timeout: float) -> None:
     """Host a TCPStore on 127.0.0.1 (port chosen by the OS) until stdin closes."""
     raise_fd_limit()
+    if impl == "etcd":
+        raise SystemExit("store-host: etcd is run by the parent (benchmarks/rendezvous.py)")
     if impl == "meshrun":
         from meshrun.rendezvous.c10d import TCPStoreBackend
 
@@ -93,19 +104,12 @@ class _CallCounter:
         return attr
 
 
-def meshrun_counting_store(port: int, timeout: float, preconnect: bool = True):
-    """One agent's client: ``CountingStore`` (contract ops, heartbeat ops counted apart) over a
-    ``TCPStoreBackend`` whose raw TCPStore calls are counted too.
+@functools.cache
+def _counting_classes():
+    """(SplitCountingStore, BeatCounting), built on first use (meshrun imported lazily)."""
+    from meshrun.rendezvous.store import CountingStore, Liveness
 
-    The heartbeat's own connection (``TCPStoreBackend.liveness`` opens it inside
-    ``next_round``) is opened here, before the clock starts, like every torch client: on this
-    sandbox many TCPStore connects at once from one process stall 5-10 s in reverse-DNS
-    lookups inside torch's socket code, which would measure the sandbox, not the protocol.
-    """
-    from meshrun.rendezvous.c10d import TCPStoreBackend
-    from meshrun.rendezvous.store import CounterLiveness, CountingStore, Liveness
-
-    class _BeatCounting(Liveness):
+    class BeatCounting(Liveness):
         def __init__(self, owner, inner):
             self._owner, self._inner = owner, inner
 
@@ -122,10 +126,15 @@ def meshrun_counting_store(port: int, timeout: float, preconnect: bool = True):
 
     class SplitCountingStore(CountingStore):
         """`CountingStore` whose heartbeat-thread ops go to ``beat_ops`` (their number grows
-        with elapsed time, 2 per second, not with N), so ``ops`` is the protocol's own."""
+        with elapsed time, 2 per second, not with N), so ``ops`` is the protocol's own.
+        ``make_liveness(node_id, dead_after)`` builds the heartbeat's inner liveness."""
 
         beat_ops = 0
         t_joined = t_closed = 0.0  # phases: when this agent drew its join number / saw the close
+
+        def __init__(self, inner, make_liveness):
+            super().__init__(inner)
+            self._make_liveness = make_liveness
 
         def add(self, key, delta):
             out = super().add(key, delta)
@@ -140,19 +149,88 @@ def meshrun_counting_store(port: int, timeout: float, preconnect: bool = True):
             return out
 
         def liveness(self, node_id, dead_after):
-            if not preconnect:
-                return _BeatCounting(self, self.inner.liveness(node_id, dead_after))
-            # what TCPStoreBackend.liveness builds, on the client connected beforehand
-            return _BeatCounting(
-                self, CounterLiveness(beat_client, node_id, dead_after, prefix="/liveness/")
-            )
+            return BeatCounting(self, self._make_liveness(node_id, dead_after))
 
+    return SplitCountingStore, BeatCounting
+
+
+def meshrun_counting_store(port: int, timeout: float, preconnect: bool = True):
+    """One agent's client: ``CountingStore`` (contract ops, heartbeat ops counted apart) over a
+    ``TCPStoreBackend`` whose raw TCPStore calls are counted too.
+
+    The heartbeat's own connection (``TCPStoreBackend.liveness`` opens it inside
+    ``next_round``) is opened here, before the clock starts, like every torch client: on this
+    sandbox many TCPStore connects at once from one process stall 5-10 s in reverse-DNS
+    lookups inside torch's socket code, which would measure the sandbox, not the protocol.
+    """
+    from meshrun.rendezvous.c10d import TCPStoreBackend
+    from meshrun.rendezvous.store import CounterLiveness
+
+    split_counting_store, _ = _counting_classes()
     backend = TCPStoreBackend("127.0.0.1", port, is_host=False, timeout=timeout)
     if preconnect:
         beat_client = TCPStoreBackend("127.0.0.1", port, is_host=False, timeout=timeout)
+
+    def make_liveness(node_id, dead_after):
+        if not preconnect:
+            return backend.liveness(node_id, dead_after)
+        # what TCPStoreBackend.liveness builds, on the client connected beforehand
+        return CounterLiveness(beat_client, node_id, dead_after, prefix="/liveness/")
+
     counter = _CallCounter(backend._store)  # benchmark-only peek: raw TCPStore calls
     backend._store = counter
-    return SplitCountingStore(backend), counter
+    return split_counting_store(backend, make_liveness), counter
+
+
+class _GatewayCounter:
+    """Counts the HTTP requests one etcd gateway connection (`meshrun.rendezvous.etcd._Gateway`)
+    makes: every ``call`` (one POST) and ``stream`` (one watch POST). Benchmark-only peek: the
+    instance's methods are wrapped in place."""
+
+    def __init__(self, gw):
+        self.calls = 0
+        call, stream = gw.call, gw.stream
+
+        def counted_call(*args, **kwargs):
+            self.calls += 1
+            return call(*args, **kwargs)
+
+        def counted_stream(*args, **kwargs):
+            self.calls += 1
+            return stream(*args, **kwargs)
+
+        gw.call, gw.stream = counted_call, counted_stream
+
+
+# The job lease's TTL for part 1's etcd agents: what the default read_timeout (10 s) gives
+# (EtcdStore: max(5, ceil(read_timeout))); the agents' read_timeout itself is the case's timeout,
+# as for the TCPStore clients, so a slow answer under load is waited for, not a lost store.
+ETCD_JOB_TTL = 10
+
+
+def etcd_counting_store(endpoint: str, run_id: str, timeout: float):
+    """One agent's etcd client: ``CountingStore`` (contract ops, heartbeat ops apart) over an
+    ``EtcdStore`` (what ``open_etcd_store`` builds, job lease TTL ``ETCD_JOB_TTL``) whose HTTP
+    requests are counted: the protocol's (the store's own connection) and the heartbeat's (the
+    liveness's connection, opened inside ``next_round`` as in the agent). The store's
+    constructor joins the job lease (2-3 requests): setup, before the clock. Not counted: the
+    job-lease refresher's keep-alive, one per ``ETCD_JOB_TTL / 3`` s on its own connection."""
+    from meshrun.rendezvous.etcd import EtcdOptions, EtcdStore
+
+    split_counting_store, _ = _counting_classes()
+    options = EtcdOptions.from_conf(endpoint, {}, timeout)
+    store = EtcdStore(options, f"/meshrun/{run_id}/", job_ttl=ETCD_JOB_TTL)
+    counter = _GatewayCounter(store._gw)
+    beat_http: list[_GatewayCounter] = []
+
+    def make_liveness(node_id, dead_after):
+        live = store.liveness(node_id, dead_after)
+        beat_http.append(_GatewayCounter(live._gw))
+        return live
+
+    counting = split_counting_store(store, make_liveness)
+    counting.beat_http = beat_http
+    return counting, counter
 
 
 def torch_counting_backend(port: int, run_id: str, timeout: float):
@@ -208,22 +286,27 @@ def agents(
     count: int,
     timeout: float,
     connect_in_round: bool = False,
+    endpoint: str = "",
 ) -> None:
-    """Run agents ``first .. first+count-1`` of an ``n``-node rendezvous, one thread each."""
+    """Run agents ``first .. first+count-1`` of an ``n``-node rendezvous, one thread each
+    (``endpoint``: etcd's ``host:port``, for ``impl == "etcd"``)."""
     raise_fd_limit()
     threading.stack_size(512 * 1024)  # 2 threads per agent; keep the address space small
     go = threading.Event()
     runners = []
-    if impl == "meshrun":
+    if impl in ("meshrun", "etcd"):
         from meshrun.rendezvous.api import NodeDesc, RendezvousSettings
         from meshrun.rendezvous.protocol import Rendezvous
 
         settings = RendezvousSettings(
             run_id, min_nodes=n, max_nodes=n, join_timeout=timeout, read_timeout=timeout
         )
-        clients = connect_all(
-            lambda _: meshrun_counting_store(port, timeout, not connect_in_round), count
-        )
+        if impl == "meshrun":
+            clients = connect_all(
+                lambda _: meshrun_counting_store(port, timeout, not connect_in_round), count
+            )
+        else:
+            clients = connect_all(lambda _: etcd_counting_store(endpoint, run_id, timeout), count)
         for i, (store, counter) in zip(range(first, first + count), clients, strict=True):
             rdzv = Rendezvous(
                 store,
@@ -238,6 +321,7 @@ def agents(
             try:
                 info = rdzv.next_round()
                 t = time.time()
+                extra = [sum(c.calls for c in store.beat_http)] if impl == "etcd" else []
                 say(
                     "RANKED",
                     i,
@@ -248,6 +332,7 @@ def agents(
                     counter.calls,
                     repr(store.t_joined),
                     repr(store.t_closed),
+                    *extra,
                 )
             except BaseException as e:  # noqa: BLE001
                 say("ERROR", i, f"{type(e).__name__}: {e}".replace("\n", " "))
@@ -286,7 +371,7 @@ def agents(
     sys.stdin.readline()  # GO
     go.set()
     sys.stdin.readline()  # EXIT (or EOF)
-    if impl == "meshrun":
+    if impl in ("meshrun", "etcd"):
         for _, rdzv, _, _ in runners:
             rdzv.close()
     os._exit(0)  # torch's keep-alive timers and stuck threads must not hold the exit
@@ -295,9 +380,22 @@ def agents(
 # -- the agent that dies -------------------------------------------------------------------------
 
 
-def victim(impl: str, port: int, run_id: str, timeout: float) -> None:
+def victim(impl: str, port: int, run_id: str, timeout: float, endpoint: str = "") -> None:
     """One agent of a 2-node rendezvous that reports its rank and then waits to be killed."""
-    if impl == "meshrun":
+    if impl == "etcd":
+        from meshrun.rendezvous.api import NodeDesc, RendezvousSettings
+        from meshrun.rendezvous.etcd import open_etcd_store
+        from meshrun.rendezvous.protocol import Rendezvous
+
+        settings = RendezvousSettings(run_id, min_nodes=2, max_nodes=2)  # the defaults
+        rdzv = Rendezvous(
+            open_etcd_store(endpoint, settings),
+            settings,
+            NodeDesc(f"victim{os.getpid()}", "127.0.0.1", 1),
+            host_bootstrap=lambda: ("127.0.0.1", 1),
+        )
+        rank = rdzv.next_round().node_rank
+    elif impl == "meshrun":
         from meshrun.rendezvous.api import NodeDesc, RendezvousSettings
         from meshrun.rendezvous.c10d import TCPStoreBackend
         from meshrun.rendezvous.protocol import Rendezvous
@@ -351,8 +449,9 @@ def torch_handler(port: int, run_id: str, n: int, timeout: float):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["store-host", "agents", "victim"])
-    p.add_argument("--impl", choices=["meshrun", "torch"], required=True)
+    p.add_argument("--impl", choices=["meshrun", "etcd", "torch"], required=True)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--endpoint", default="", help="etcd's host:port (--impl etcd)")
     p.add_argument("--run-id", default="bench")
     p.add_argument("--n", type=int, default=2)
     p.add_argument("--first", type=int, default=0)
@@ -363,9 +462,19 @@ def main() -> None:
     if a.role == "store-host":
         store_host(a.impl, a.timeout)
     elif a.role == "agents":
-        agents(a.impl, a.port, a.run_id, a.n, a.first, a.count, a.timeout, a.connect_in_round)
+        agents(
+            a.impl,
+            a.port,
+            a.run_id,
+            a.n,
+            a.first,
+            a.count,
+            a.timeout,
+            a.connect_in_round,
+            a.endpoint,
+        )
     else:
-        victim(a.impl, a.port, a.run_id, a.timeout)
+        victim(a.impl, a.port, a.run_id, a.timeout, a.endpoint)
 
 
 if __name__ == "__main__":

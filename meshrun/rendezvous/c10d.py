@@ -28,6 +28,8 @@ from meshrun.rendezvous.store import CounterLiveness, Liveness, Store, Versioned
 
 DEFAULT_PORT = 29400
 
+_CONNECT_LOCK = threading.Lock()
+
 # Environment variables the agent sets for itself only; worker_env() takes them out again.
 AGENT_ONLY_ENV: dict[str, str | None] = {}
 
@@ -130,13 +132,16 @@ class TCPStoreBackend(Store):
     def __init__(self, host: str, port: int, *, is_host: bool, timeout: float):
         self.host, self.port, self.is_host, self.timeout = host, port, is_host, timeout
         self._writer = uuid.uuid4().hex[:8]
-        before = _tcp_fds_to(host, port)
-        self._store = self._connect(host, port, is_host, timeout)
-        self.port = self._store.port
-        self.serves_others = is_host
-        if not is_host:
-            for fd in _tcp_fds_to(host, self.port) - before:
-                _fail_fast_when_silent(fd, timeout)
+        # The new connection is found by comparing this process's connections before and
+        # after; a lock keeps two connects in one process from seeing each other's.
+        with _CONNECT_LOCK:
+            before = _tcp_fds_to(host, port)
+            self._store = self._connect(host, port, is_host, timeout)
+            self.port = self._store.port
+            self.serves_others = is_host
+            if not is_host:
+                for fd in _tcp_fds_to(host, self.port) - before:
+                    _fail_fast_when_silent(fd, timeout)
 
     @staticmethod
     def _connect(host: str, port: int, is_host: bool, timeout: float):
@@ -274,7 +279,10 @@ def _tcp_fds_to(host: str, port: int) -> set[int]:
 
 def _shutdown(fd: int) -> None:
     """Shut down the socket behind ``fd`` (both directions), through a duplicate."""
-    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
@@ -292,7 +300,10 @@ def _fail_fast_when_silent(fd: int, timeout: float) -> None:
     and the agent reports the store as lost (exit 3). Set on a duplicate of the descriptor,
     which shares the socket.
     """
-    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return  # closed meanwhile
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 1000))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -53,6 +53,7 @@ from meshrun.rendezvous.api import RendezvousError, StoreLostError
 from meshrun.rendezvous.store import Liveness, Store, Versioned
 
 DEFAULT_PORT = 2379
+TXN_MAX_OPS = 128  # etcd's default --max-txn-ops: more operations in one transaction fail
 MIN_TTL = 2  # seconds; etcd's own minimum is 1.5 x its election timeout, rounded up
 
 # etcd error messages (gRPC status messages, passed through the gateway) that mean "this
@@ -513,16 +514,17 @@ class EtcdStore(Store):
         return self._versioned(self._get(key))
 
     def get_many(self, keys: list[str]) -> list[Versioned | None]:
-        if not keys:
-            return []
-        result = self._call(
-            "kv/txn",
-            {"success": [{"request_range": {"key": _b64(k)}} for k in keys]},
-        )
+        """Read-only transactions of at most `TXN_MAX_OPS` ranges (etcd's default limit)."""
         out: list[Versioned | None] = []
-        for response in result.get("responses") or []:
-            kvs = response.get("response_range", {}).get("kvs") or []
-            out.append(self._versioned(_item(kvs[0])) if kvs else None)
+        for start in range(0, len(keys), TXN_MAX_OPS):
+            chunk = keys[start : start + TXN_MAX_OPS]
+            result = self._call(
+                "kv/txn",
+                {"success": [{"request_range": {"key": _b64(k)}} for k in chunk]},
+            )
+            for response in result.get("responses") or []:
+                kvs = response.get("response_range", {}).get("kvs") or []
+                out.append(self._versioned(_item(kvs[0])) if kvs else None)
         return out
 
     def compare_and_set(self, key, expected_version, value):

@@ -50,6 +50,20 @@ def test_every_key_is_bound_to_the_job_lease_and_shared(etcd_server):
         b.close()
 
 
+def test_get_many_beyond_etcds_transaction_limit(etcd_server):
+    """A round of more than 128 nodes: the membership read is split into transactions."""
+    store = store_at(etcd_server.endpoint)
+    try:
+        keys = [f"/meshrun/t/slot/{i}" for i in range(300)]
+        for i, key in enumerate(keys[:290]):
+            store.set_once(key, str(i).encode())
+        values = store.get_many(keys)
+        assert [v.value for v in values[:290]] == [str(i).encode() for i in range(290)]
+        assert values[290:] == [None] * 10
+    finally:
+        store.close()
+
+
 def test_abandoned_job_keys_expire_with_the_job_lease(etcd_server):
     """No agent left to refresh the lease (kill -9 of all): every key vanishes within TTL."""
     store = store_at(etcd_server.endpoint, read_timeout=1.0)  # job TTL: the 5 s minimum
