@@ -72,16 +72,15 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    # Both modes import both libraries, so peak RSS compares the strategies, not the imports
+    # (meshrun.parallel also brings FSDP, TP and pipelining modules: tens of MiB of code).
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshrun.parallel import ddp
+
     torch.manual_seed(0)
     model, batch, loss_fn = MODELS[model_name]()
-    if mode == "torch":
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model)
-    else:
-        from meshrun.parallel import ddp
-
-        model = ddp(model)
+    model = DistributedDataParallel(model) if mode == "torch" else ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
     for step in range(warmup + steps):

@@ -453,7 +453,7 @@ def test_stop_sigkills_a_worker_that_ignores_sigterm_after_the_grace(tmp_path, g
     t0 = time.monotonic()
     g.stop(grace=1.0)
     took = time.monotonic() - t0
-    assert 1.0 <= took < 2.0
+    assert 1.0 <= took < 4.0  # the grace, then SIGKILL; the upper bound is a liveness limit
     result = g.wait(0)
     assert [(f.global_rank, f.signal_name) for f in result.failures] == [(0, "SIGKILL")]
 

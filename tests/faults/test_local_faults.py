@@ -61,7 +61,9 @@ def test_worker_sigsegv_spends_a_restart_then_exits_139(launch):
          FAULT_WORKER, str(out), "segv"], timeout=80,
     )  # fmt: skip
     assert res.returncode == 139, res.stderr
-    assert {p.name for p in out.iterdir()} >= {"run_0_0", "run_1_0", "run_0_1", "run_1_1"}
+    # both attempts ran (rank 1 segfaults at once on each; rank 0 of the second attempt may be
+    # stopped before its interpreter gets as far as writing its marker)
+    assert {p.name for p in out.iterdir()} >= {"run_0_0", "run_1_0", "run_1_1"}
     assert res.stderr.count("Root cause") == 1, res.stderr
     report = res.stderr[res.stderr.index("Root cause") :]
     assert "rank       : 1 (local rank 1)" in report
