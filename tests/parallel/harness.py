@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,29 @@ def launch(script: str | Path, nproc: int = 2, args: tuple[str, ...] = (), *,
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output}"
     return Launch(proc.returncode, output, results)
+
+
+def run_checks(checks, before_each=None) -> None:
+    """Worker side: run each check (a function of the `ParallelContext`) on every rank, record
+    "ok" or the traceback under its name, keep the ranks in step between checks (a failed check
+    must not leave a collective or a message for the next one), and `report()` the results."""
+    import torch.distributed as dist
+
+    from meshrun.parallel import init
+
+    ctx = init(timeout=60)
+    results = {}
+    for check in checks:
+        if before_each is not None:
+            before_each()
+        try:
+            check(ctx)
+            results[check.__name__] = "ok"
+        except Exception:
+            results[check.__name__] = traceback.format_exc()
+        dist.barrier()
+    report(results)
+    dist.destroy_process_group()
 
 
 def report(result: dict) -> None:

@@ -7,14 +7,13 @@ step on their own slices. Losses, grads and params must match every step.
 """
 
 import copy
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import Mesh, agree_num_batches, ddp, init
-from tests.parallel.harness import report
+from meshrun.parallel import Mesh, agree_num_batches, ddp
+from tests.parallel.harness import run_checks
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -363,17 +362,7 @@ CHECKS = [check_wrap, check_default, check_tiny_buckets, check_rebuild_order, ch
 
 
 def main():
-    ctx = init(timeout=60)
-    results = {}
-    for check in CHECKS:
-        try:
-            check(ctx)
-            results[check.__name__] = "ok"
-        except Exception:
-            results[check.__name__] = traceback.format_exc()
-        dist.barrier()  # keep the ranks in step between checks
-    report(results)
-    dist.destroy_process_group()
+    run_checks(CHECKS)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import functools
 import gc
 import math
 import os
-import traceback
 from pathlib import Path
 
 import torch
@@ -31,10 +30,9 @@ from meshrun.parallel import (
     ddp,
     full_state_dict,
     fully_shard,
-    init,
 )
 from meshrun.parallel.fsdp import layout
-from tests.parallel.harness import RESULTS_ENV, report
+from tests.parallel.harness import RESULTS_ENV, run_checks
 
 STEPS = 3
 GLOBAL_BATCH, SEQ, VOCAB, WIDTH = 8, 5, 11, 7
@@ -549,17 +547,7 @@ CHECKS = [check_parity_reshard, check_parity_no_reshard, check_accumulation, che
 
 
 def main():
-    ctx = init(timeout=60)
-    results = {}
-    for check in CHECKS:
-        try:
-            check(ctx)
-            results[check.__name__] = "ok"
-        except Exception:
-            results[check.__name__] = traceback.format_exc()
-        dist.barrier()  # keep the ranks in step between checks
-    report(results)
-    dist.destroy_process_group()
+    run_checks(CHECKS)
 
 
 if __name__ == "__main__":

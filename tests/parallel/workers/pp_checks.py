@@ -8,13 +8,10 @@ and the rank must have run exactly the action list the validator accepted.
 """
 
 import copy
-import traceback
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import init
 from meshrun.parallel.pipelining import (
     PipelineSchedule,
     PipelineStage,
@@ -24,7 +21,7 @@ from meshrun.parallel.pipelining import (
     parse_order,
     split_into_stages,
 )
-from tests.parallel.harness import report
+from tests.parallel.harness import run_checks
 
 STEPS = 2
 BATCH = 8
@@ -228,17 +225,7 @@ CHECKS = [check_gpipe, check_1f1b, check_1f1b_many_microbatches, check_interleav
 
 
 def main():
-    ctx = init(timeout=60)
-    results = {}
-    for check in CHECKS:
-        try:
-            check(ctx)
-            results[check.__name__] = "ok"
-        except Exception:
-            results[check.__name__] = traceback.format_exc()
-        dist.barrier()  # a failed check must not leave messages for the next one
-    report(results)
-    dist.destroy_process_group()
+    run_checks(CHECKS)
 
 
 if __name__ == "__main__":

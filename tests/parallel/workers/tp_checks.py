@@ -10,7 +10,6 @@ Collectives are counted by wrapping the c10d functions (the real ones run undern
 
 import copy
 import sys
-import traceback
 from functools import partial
 from pathlib import Path
 
@@ -29,11 +28,10 @@ from meshrun.parallel import (
     SequenceParallel,
     ShardedDropout,
     full_tensor,
-    init,
     parallelize,
     vocab_parallel_cross_entropy,
 )
-from tests.parallel.harness import report
+from tests.parallel.harness import run_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 import train_char_lm as lm  # noqa: E402
@@ -495,19 +493,8 @@ CHECKS = [check_mlp, check_mlp_sp, check_attention, check_attention_sp, check_ch
 
 
 def main():
-    ctx = init(timeout=60)
     torch.set_num_threads(1)
-    results = {}
-    for check in CHECKS:
-        torch.manual_seed(0)
-        try:
-            check(ctx)
-            results[check.__name__] = "ok"
-        except Exception:
-            results[check.__name__] = traceback.format_exc()
-        dist.barrier()  # keep the ranks in step between checks
-    report(results)
-    dist.destroy_process_group()
+    run_checks(CHECKS, before_each=lambda: torch.manual_seed(0))
 
 
 if __name__ == "__main__":
