@@ -157,6 +157,7 @@ class _Reducer:
         self.sync = True  # False inside no_sync()
         self.rebuilt = False
         self.arrival_order: list[int] = []
+        self.pending_groups: list[list[int]] | None = None  # a rebuild due at the next backward
         self.in_backward = False
         self.next_bucket = 0
         self.arrived = [False] * len(self.params)
@@ -236,6 +237,9 @@ class _Reducer:
     def _on_grad(self, i: int) -> None:
         """Post-accumulate-grad hook of parameter i: its gradient for this backward is final."""
         if not self.in_backward:
+            if self.pending_groups is not None:  # the rebuild decided at the last backward's end
+                groups, self.pending_groups = self.pending_groups, None
+                self._build_buckets(groups)
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if not self.rebuilt and i not in self.arrival_order:
@@ -330,8 +334,7 @@ class _Reducer:
     def _rebuild(self) -> None:
         """Rebuild buckets once, in the order gradients arrived on rank 0 of the group.
 
-        Skipped when every bucket would hold the same parameters as now (the usual case): a
-        rebuild briefly holds old and new buffers, one extra copy of the gradients."""
+        Skipped when every bucket would hold the same parameters as now (the usual case)."""
         self.rebuilt = True
         n = len(self.params)
         seen = set(self.arrival_order)
@@ -341,7 +344,11 @@ class _Reducer:
         self.arrival_order = []
         groups = self._assign(order_t.tolist())
         if [set(g) for g in groups] != [set(b.params) for b in self.buckets]:
-            self._build_buckets(groups)  # same bucket contents: keep the buffers (memory)
+            # Built at the start of the next backward, not now: now every .grad is a view of the
+            # old buffers (the optimizer has yet to use them), and building now would hold old
+            # and new buffers at once -- one extra copy of the gradients at the peak. By the next
+            # backward, zero_grad(set_to_none=True) has let the old buffers go.
+            self.pending_groups = groups
 
     # -- buffers ----------------------------------------------------------------------------
 
