@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
+from _common import free_port, make_char_lm  # noqa: E402 - beside this file
 
 MODES = ("torch", "meshrun")
 
@@ -47,21 +47,6 @@ def make_mlp():
 
     return model, batch, loss_fn
 
-
-def make_char_lm():
-    import train_char_lm as lm
-
-    data, vocab = lm.load_text()
-    model = lm.CharLM(vocab, lm.DEFAULTS["block_size"])
-
-    def batch(step, rank):
-        return lm.get_batch(data, step, 0, lm.DEFAULTS["batch_size"], lm.DEFAULTS["block_size"],
-                            rank, 2)
-
-    def loss_fn(m, x, y):
-        return m(x, y)
-
-    return model, batch, loss_fn
 
 
 MODELS = {"mlp-10M": make_mlp, "char-lm": make_char_lm}
@@ -96,11 +81,6 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
         {"times": times[warmup:], "rss_mib": rss_mib, "params": n_params}))
     dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(model_name, mode, steps, warmup):

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
+from _common import free_port, make_char_lm  # noqa: E402 - beside this file
 
 MODES = ("torch-fsdp2", "meshrun-fsdp", "meshrun-ddp")
 MiB = 2 ** 20
@@ -85,21 +85,6 @@ def make_mlp():
 
     return model, batch, loss_fn
 
-
-def make_char_lm():
-    import train_char_lm as lm
-
-    data, vocab = lm.load_text()
-    model = lm.CharLM(vocab, lm.DEFAULTS["block_size"])
-
-    def batch(step, rank):
-        return lm.get_batch(data, step, 0, lm.DEFAULTS["batch_size"], lm.DEFAULTS["block_size"],
-                            rank, 2)
-
-    def loss_fn(m, x, y):
-        return m(x, y)
-
-    return model, batch, loss_fn
 
 
 MODELS = {"mlp-blocks": make_mlp, "char-lm": make_char_lm}
@@ -174,11 +159,6 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
          "state_mib": state_bytes(model, opt) / MiB, "unit_mib": unit_bytes / MiB}))
     dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(model_name, mode, steps, warmup):

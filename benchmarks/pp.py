@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
+from _common import free_port  # noqa: E402 - beside this file
 
 LIBS = ("torch", "meshrun")
 SCHEDULES = {"GPipe": (1, "ScheduleGPipe"), "1F1B": (1, "Schedule1F1B"),
@@ -177,11 +177,6 @@ def worker(rank, lib, name, port, steps, warmup, out_dir):
         {"times": times[warmup:], "busy": busy[warmup:], "rss_mib": rss_mib}))
     dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(lib, name, steps, warmup):

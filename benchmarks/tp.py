@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
+from _common import free_port  # noqa: E402 - beside this file
 
 N_EMBD, N_HEAD, BATCH, SEQ = 256, 8, 8, 128
 FRAMEWORKS = ("dtensor", "meshrun")
@@ -145,11 +145,6 @@ def activation_bytes(block, x) -> int:
     y.pow(2).sum().backward()
     return total
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(framework, sp, steps, warmup):
