@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from support import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,13 +52,6 @@ def meshrun_env(**extra: str) -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):

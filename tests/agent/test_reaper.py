@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from support import alive
 
 from meshrun.agent.reaper import Reaper
 
@@ -18,13 +18,6 @@ pytestmark = pytest.mark.timeout(30)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_gone(pids, timeout: float) -> list[int]:

@@ -13,24 +13,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support import alive, read_pid
 
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
 PROC_TREE = str(SCRIPTS / "proc_tree.py")
-
-
-def alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def wait_pids(launch, out: Path, names: list[str], timeout: float = 40) -> dict[str, int]:

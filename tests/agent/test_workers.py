@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from support import alive
 
 from meshrun.agent.logs import Console, LinePrefixer, StderrTail
 from meshrun.agent.workers import WorkerGroup, WorkerSpec, WorkerState
@@ -85,13 +85,6 @@ def groups():
     yield make
     for g in made:
         g.stop(grace=0)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def parse_pids(text: str) -> dict[str, int]:

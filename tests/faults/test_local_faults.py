@@ -17,26 +17,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from support import alive, read_pid
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 FAULT_WORKER = str(SCRIPTS / "fault_worker.py")
 SAY = str(Path(__file__).resolve().parents[1] / "agent" / "e2e_scripts" / "say_rank.py")
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import base64
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -20,16 +19,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support import free_port
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
 SKIP_REASON = "the etcd binary is not installed (apt install etcd-server, or put etcd on PATH)"
 needs_etcd = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdMember:

@@ -18,17 +18,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
 WORKER = Path(__file__).parent / "scripts" / "elastic_worker.py"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
