@@ -107,6 +107,15 @@ def run_checks(checks, before_each=None) -> None:
         dist.barrier()
     report(results)
     dist.destroy_process_group()
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """Leave the worker now: torch 2.13 + gloo sometimes aborts in C++ teardown after a clean
+    finish ("terminate called without an active exception"), which would fail a passing run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report(result: dict) -> None:

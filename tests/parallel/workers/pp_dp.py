@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshrun.parallel import Mesh, ddp, init
 from meshrun.parallel.pipelining import PipelineStage, Schedule1F1B, split_into_stages
-from tests.parallel.harness import report
+from tests.parallel.harness import exit_without_teardown, report
 from tests.parallel.workers.pp_checks import close, make_model, mse
 
 GLOBAL_BATCH, N_MICRO, STEPS = 16, 4, 2
@@ -85,6 +85,7 @@ def main():
         results.setdefault("check_sync_once_per_step", "not reached")
     report(results)
     dist.destroy_process_group()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
