@@ -1,0 +1,365 @@
+"""Distributed checkpoints that reshard on load: `save`, `load`, `model_state`, `optimizer_state`.
+
+Each rank writes only the blocks of the global tensors that it holds, in parallel, one file
+per rank; rank 0 writes the metadata (global shape and the offsets of every saved block).
+`load` asks, for every block the *current* layout holds, for the overlapping parts of the
+saved blocks. So a checkpoint saved at one world size and strategy loads at another: FSDP
+shards over 4 ranks into 3, TP shards over 2 ranks into unsharded tensors, pipeline stages
+owned by other ranks, in any combination. Values are keyed by the model's own parameter names
+(``blocks.3.qkv.weight``), which no meshrun strategy renames.
+
+This is torch.distributed.checkpoint (DCP) underneath: its file format, its planner (which
+computes the overlaps) and its filesystem writer and reader. What meshrun adds is the
+description of meshrun's layouts as DCP chunks (`meshrun.parallel.layout`: a fused TP shard
+with vocabulary padding, cut again on dim 0 by FSDP, is several blocks, which DTensor
+placements cannot describe), optimizer state keyed by parameter name with the same blocks as
+its parameter, and atomic saves:
+
+- `save` writes into ``<path>.partial`` and renames it to ``<path>`` only after every rank's
+  files and the metadata are on disk (fsync'd), so a save killed at any moment leaves the
+  previous checkpoint, and nothing else under a checkpoint name. A ``.partial`` directory
+  left by a killed save is removed by the next `save` to the same path.
+- `latest(directory)` finds the newest complete ``step_<N>`` checkpoint, for resuming.
+
+Typical use, on every rank (both calls are collectives over the default group)::
+
+    state = {"model": checkpoint.model_state(model), "step": step,
+             "optim": checkpoint.optimizer_state(optimizer, model)}
+    checkpoint.save(state, f"ckpt/step_{step}")
+    ...
+    checkpoint.load(state, checkpoint.latest("ckpt"))   # in place; state["step"] is updated
+
+Mirrors ``torch.distributed.checkpoint.save`` / ``load`` with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
+``get_optimizer_state_dict`` (parameter-name-keyed optimizer state).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
+
+from meshrun.parallel import layout
+
+__all__ = ["ModelState", "OptimizerState", "latest", "load", "model_state", "optimizer_state",
+           "save"]
+
+PARTIAL = ".partial"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def save(state: dict, path: str | os.PathLike) -> None:
+    """Write ``state`` to the directory ``path``, atomically; a collective over all ranks.
+
+    Args:
+        state: a dict of tensors, `ModelState` / `OptimizerState` (or any DCP ``Stateful``),
+            nested dicts, and small picklable values (ints, floats, strings: written once,
+            by rank 0). Tensors that are not parameters are taken as replicated: rank 0's copy
+            is written.
+        path: the checkpoint directory; it must not exist yet, or it is replaced (its previous
+            contents are moved to ``<path>.old`` first and removed after the rename).
+
+    Raises:
+        FileExistsError: ``path`` exists and is not a directory.
+        OSError: the filesystem refused a write (every rank raises; ``path`` is untouched).
+
+    Cost: every rank writes its own blocks (bytes held / write bandwidth) in parallel, plus
+    three small collectives (plans, metadata) and two barriers.
+    """
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"checkpoint.save: {path} exists and is not a directory")
+    partial = path + PARTIAL
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(partial)
+    _barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_SavePlanner(),
+             no_dist=not dist.is_initialized())
+    if _rank() == 0:
+        old = path + ".old"
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(partial, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def load(state: dict, path: str | os.PathLike) -> None:
+    """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks.
+
+    Tensors (and the blocks of `ModelState` / `OptimizerState`) are filled in place with the
+    parts of the saved tensors they cover, whatever layout saved them; other values in
+    ``state`` are replaced by the saved ones.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+        RuntimeError: ``state`` has a key the checkpoint lacks.
+        ValueError: a tensor's global shape differs from the saved one (another model).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"checkpoint.load: no complete checkpoint at {path} (its "
+                                f".metadata file is missing)")
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(),
+             no_dist=not dist.is_initialized())
+
+
+def latest(directory: str | os.PathLike | None) -> str | None:
+    """The path of the newest complete ``step_<N>`` checkpoint under ``directory``, or None.
+
+    Complete means renamed into place by `save` (``.partial`` directories are ignored)."""
+    if directory is None or not os.path.isdir(directory):
+        return None
+    steps = []
+    for name in os.listdir(directory):
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(directory, name, ".metadata")):
+            steps.append((int(m.group(1)), name))
+    return os.path.join(os.fspath(directory), max(steps)[1]) if steps else None
+
+
+def model_state(module: nn.Module, *, params: Iterable[nn.Parameter] | None = None
+                ) -> ModelState:
+    """A ``Stateful`` view of ``module``'s parameters and persistent buffers for `save`/`load`.
+
+    Args:
+        module: the whole model as built (before any pipeline split), so that keys are the
+            model's parameter names on every rank.
+        params: the parameters this rank holds (under pipeline parallelism, those of its
+            stages); default all of them.
+    """
+    return ModelState(module, params)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, *,
+                    params: Iterable[nn.Parameter] | None = None) -> OptimizerState:
+    """A ``Stateful`` view of ``optimizer``'s state keyed by ``module``'s parameter names.
+
+    Each state tensor shaped like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's
+    ``momentum_buffer``) is saved and loaded with its parameter's blocks, so it reshards too;
+    other state (``step``) is taken as replicated. An optimizer that has not stepped yet gets
+    its state created first by one step with learning rate 0 and zero gradients (how torch's
+    ``_init_optim_state`` does it) and its step counters reset to 0, so there is something to
+    load into and training without a load goes on as from a fresh optimizer.
+
+    Raises:
+        ValueError: the optimizer holds a parameter that is not in ``module``.
+    """
+    return OptimizerState(optimizer, module, params)
+
+
+class ModelState(Stateful):
+    """See `model_state`."""
+
+    def __init__(self, module: nn.Module, params=None):
+        self.module = module
+        self.params = None if params is None else {id(p) for p in params}
+
+    def state_dict(self) -> dict:
+        out = {}
+        for name, p in self.module.named_parameters():
+            if self.params is None or id(p) in self.params:
+                out[name] = ShardedBlocks.of(p.detach(), p)
+        for name, b in self.module.named_buffers():
+            if _persistent(self.module, name) and self._holds_owner(name):
+                out[name] = b
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass  # `load` wrote into the parameters and buffers themselves
+
+    def _holds_owner(self, buffer_name: str) -> bool:
+        """Under a pipeline split, a buffer goes with its module's parameters."""
+        if self.params is None:
+            return True
+        owner = _owner(self.module, buffer_name)
+        return any(id(p) in self.params for p in owner.parameters(recurse=False))
+
+
+class OptimizerState(Stateful):
+    """See `optimizer_state`."""
+
+    def __init__(self, optimizer, module, params=None):
+        self.optimizer = optimizer
+        keep = None if params is None else {id(p) for p in params}
+        self.names = {id(p): n for n, p in module.named_parameters()
+                      if keep is None or id(p) in keep}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self.names:
+                    raise ValueError(f"checkpoint.optimizer_state: the optimizer holds a "
+                                     f"parameter of shape {tuple(p.shape)} that is not among "
+                                     f"the module's (pass the module the optimizer trains)")
+
+    def state_dict(self) -> dict:
+        _init_state(self.optimizer)
+        state = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                entries = {}
+                for key, value in self.optimizer.state[p].items():
+                    if torch.is_tensor(value) and value.dim() and value.shape == p.shape:
+                        entries[key] = ShardedBlocks.of(value, p)
+                    else:
+                        entries[key] = value
+                state[self.names[id(p)]] = entries
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"],
+                                strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                mine = self.optimizer.state[p]
+                for key, value in state_dict["state"][self.names[id(p)]].items():
+                    if not isinstance(value, ShardedBlocks) and not torch.is_tensor(value):
+                        mine[key] = value  # python scalars were replaced, tensors filled
+
+
+class ShardedBlocks:
+    """A rank's blocks of one global tensor, described to DCP (its ``_Checkpointable``
+    protocol: ``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``).
+
+    Args:
+        local: the tensor this rank holds (a parameter, or optimizer state shaped like it).
+        shape: the global shape.
+        pieces: `meshrun.parallel.layout.Piece` s, blocks of ``local`` in the global tensor.
+    """
+
+    def __init__(self, local: torch.Tensor, shape: torch.Size, pieces: list[layout.Piece]):
+        self.local, self.shape, self.pieces = local, torch.Size(shape), pieces
+
+    @classmethod
+    def of(cls, local: torch.Tensor, param: torch.Tensor) -> ShardedBlocks:
+        """``local`` laid out as ``param`` is (``local`` may be ``param`` itself)."""
+        return cls(local, layout.global_shape(param), layout.pieces(param))
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.local)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(p.offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=_chunk(p), properties=props,
+                                                      size=self.shape))
+                for p in self.pieces]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [_chunk(p) for p in self.pieces]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for p in self.pieces:
+            if tuple(p.offsets) == tuple(index.offset):
+                return p.view(self.local)
+        raise ValueError(f"checkpoint: no block at offset {tuple(index.offset)} of "
+                         f"{index.fqn} on this rank")
+
+
+# -- DCP planners that know ShardedBlocks (the planners' documented extension points) ---------
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, ShardedBlocks):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        # DefaultLoadPlanner's, less its _init_state_dict: that one only materialises meta
+        # tensors (we load into real ones) and replaces every value that is not a tensor by None
+        # (torch 2.13), which would drop our ShardedBlocks.
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, ShardedBlocks):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _chunk(p: layout.Piece) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
+
+
+@torch.no_grad()
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create missing optimizer state: one step with lr 0 and zero gradients, then step
+    counters back to 0, so that training on from here is the same as from a fresh optimizer
+    (Adam, AdamW: zero moments and step 0 are what their first step creates)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+        for value in optimizer.state[p].values():  # Adam's step back to 0: as if fresh
+            if torch.is_tensor(value) and not value.dim():
+                value.zero_()
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    owner = name.rpartition(".")[0]
+    return module.get_submodule(owner) if owner else module
+
+
+def _persistent(module: nn.Module, name: str) -> bool:
+    return name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,91 @@
+"""meshrun.parallel.checkpoint: save under one layout, load under another, bit for bit; and a
+save killed by SIGKILL leaves the previous checkpoint whole.
+
+The worker (workers/checkpoint_worker.py) fills every parameter and Adam state block with values
+that depend only on the name and global shape, saves, and a second launch with another world
+size and strategy loads and compares the blocks it holds with those values.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.parallel.harness import REPO, launch
+
+WORKER = "checkpoint_worker.py"
+
+
+def roundtrip(tmp_path, save: tuple[int, list[str]], load: tuple[int, list[str]]) -> None:
+    n, flags = save
+    launch(WORKER, n, ("save", str(tmp_path), *flags), timeout=120)
+    n, flags = load
+    result = launch(WORKER, n, ("load", str(tmp_path), *flags), timeout=120)
+    for rank, r in enumerate(result.results):
+        assert r.get("roundtrip") == "ok", f"rank {rank}: {r.get('roundtrip')}"
+
+
+@pytest.mark.timeout(200)
+def test_4_to_2_and_3_and_1(tmp_path):
+    """pp 2 x tp 2 (fused qkv, padded vocab, stage ownership) -> FSDP over 2 and over 3 ranks
+    (uneven rows), and -> one process."""
+    roundtrip(tmp_path, (4, ["--pp", "2", "--tp", "2"]), (2, ["--dp-mode", "fsdp"]))
+    roundtrip(tmp_path, (4, ["--pp", "2", "--tp", "2"]), (3, ["--dp-mode", "fsdp"]))
+    roundtrip(tmp_path, (4, ["--pp", "2", "--tp", "2"]), (1, []))
+
+
+@pytest.mark.timeout(200)
+def test_tp_and_fsdp_to_other_tp_and_pipeline(tmp_path):
+    """tp 2 with FSDP over dp 2 (an FSDP shard of a TP shard) -> pp 2 x tp 1 x ddp, -> tp 2."""
+    roundtrip(tmp_path, (4, ["--tp", "2", "--dp-mode", "fsdp"]),
+              (2, ["--pp", "2", "--dp-mode", "ddp"]))
+    roundtrip(tmp_path, (4, ["--tp", "2", "--dp-mode", "fsdp"]), (2, ["--tp", "2"]))
+
+
+@pytest.mark.timeout(120)
+def test_2_to_1(tmp_path):
+    roundtrip(tmp_path, (2, ["--dp-mode", "fsdp"]), (1, []))
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import sys, torch
+    from meshrun.parallel import checkpoint
+    small = {"w": torch.arange(10.0), "step": 1}
+    checkpoint.save(small, sys.argv[1] + "/step_1")
+    print("first saved", flush=True)
+    big = {f"w{i}": torch.randn(4_000_000) for i in range(25)}  # 400 MB: seconds to write
+    big["step"] = 2
+    checkpoint.save(big, sys.argv[1] + "/step_2")
+    print("second saved", flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    partial = tmp_path / "step_2.partial"
+    deadline = time.monotonic() + 90
+    while not (partial.is_dir() and any(partial.glob("*.distcp"))):
+        assert proc.poll() is None, "the save finished before it could be killed"
+        assert time.monotonic() < deadline, "the second save never started writing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=30)
+    assert "second saved" not in out
+
+    from meshrun.parallel import checkpoint
+    import torch
+
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step_1")
+    assert not (tmp_path / "step_2").exists()
+    state = {"w": torch.zeros(10), "step": 0}
+    checkpoint.load(state, checkpoint.latest(tmp_path))
+    assert torch.equal(state["w"], torch.arange(10.0)) and state["step"] == 1
+    checkpoint.save({"w": torch.ones(3), "step": 2}, tmp_path / "step_2")  # clears the partial
+    assert not partial.exists() and checkpoint.latest(tmp_path) == str(tmp_path / "step_2")
