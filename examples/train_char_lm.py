@@ -6,20 +6,26 @@ runs unchanged under ``torchrun``, under ``meshrun``, or as plain ``python`` (on
     meshrun --nproc-per-node 2 examples/train_char_lm.py --steps 300 --checkpoint-dir ckpt
     torchrun --nproc-per-node 2 examples/train_char_lm.py --dp-mode torch-ddp
 
-Data parallelism: ``--dp-mode ddp`` (default) uses ``meshrun.parallel.ddp``; ``torch-ddp`` uses
-torch's ``DistributedDataParallel`` (the reference); ``fsdp`` shards each block, then the rest,
-with ``meshrun.parallel.fully_shard`` (ZeRO-3; no ``--checkpoint-dir`` yet). Each step draws one global batch of random
-windows from a generator seeded with (seed, step); rank r trains on its slice of it, so the
-data depend only on the step number (a resumed run sees exactly the batches it would have).
+Parallelism: ``--pp P --tp T --dp D`` lay the world out as one mesh
+``Mesh({"pp": P, "dp": D, "tp": T})`` (TP innermost; D defaults to world size / (P T), and
+P D T must equal the world size), and `parallelize_lm` applies, in this order:
 
-Pipeline parallelism: ``--pp N`` (or ``--parallel pp``) splits the blocks into N stages with
-``meshrun.parallel.split_into_stages`` and trains them with ``--pp-schedule`` (1F1B by default)
-over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's on the same batch.
+- tensor parallelism (``--tp``, or ``--parallel tp``): attention heads, MLP and the vocabulary
+  sharded over T ranks with ``meshrun.parallel.parallelize`` and `tp_plan` (Megatron-style,
+  vocab-parallel loss); ``--sequence-parallel`` also shards norms and residuals along the
+  sequence. Ranks of one TP group see the same batch.
+- pipeline parallelism (``--pp``, or ``--parallel pp``): the blocks split into P stages with
+  ``meshrun.parallel.split_into_stages``, trained with ``--pp-schedule`` (1F1B by default)
+  over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's.
+- data parallelism over D ranks, ``--dp-mode``: ``ddp`` (default, ``meshrun.parallel.ddp``),
+  ``fsdp`` (``meshrun.parallel.fully_shard`` on each block, then the rest: ZeRO-3; no
+  ``--checkpoint-dir`` yet) or ``torch-ddp`` (torch's ``DistributedDataParallel``, the
+  reference; pure data parallelism only). ``--parallel ddp|fsdp|torch-ddp`` = ``--dp-mode``.
 
-Tensor parallelism: ``--tp N`` (or ``--parallel tp``) shards attention heads, MLP and the
-vocabulary over N ranks with ``meshrun.parallel.parallelize`` and `tp_plan` (Megatron-style,
-vocab-parallel loss); ``--sequence-parallel`` also shards norms and residuals along the
-sequence. Ranks of one TP group see the same batch; ``ddp`` runs over the rest of the world.
+Each step draws one global batch of random windows from a generator seeded with (seed, step);
+data-parallel rank r trains on its slice of it, so the data depend only on the step number (a
+resumed run sees exactly the batches it would have). ``--grad-clip`` clips the gradient by the
+norm of the whole model's gradient, taken over every axis of the mesh.
 
 Checkpoints (``--checkpoint-dir``): rank 0 writes model, optimizer, step and RNG state every
 ``--checkpoint-every`` steps and at the end, to a temporary file then ``os.replace`` (atomic),
@@ -33,6 +39,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -63,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--dp-mode", choices=DP_MODES, default="ddp")
     p.add_argument("--parallel", choices=DP_MODES + ("tp", "pp"), default=None,
                    help="shorthand for --dp-mode, or tp: --tp <world size>, pp: --pp <world size>")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: "
+                   "world size / (pp x tp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron-style)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard norms "
                    "and residuals along the sequence")
@@ -70,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"),
                    default="1f1b", help="with --pp: interleaved1f1b puts 2 stages on a rank")
     p.add_argument("--pp-microbatches", type=int, default=4, help="with --pp: per step")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient to this "
+                   "global norm, over every axis of the mesh (0: no clipping)")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
     args = p.parse_args(argv)
     if args.parallel == "tp":
@@ -171,39 +182,103 @@ def load_checkpoint(ckpt_dir, model, optimizer, device):
 
 
 # -------------------------------------------------------------------------------------------
-# data-parallel wrapping: one function per strategy
+# parallelism: one mesh {"pp", "dp", "tp"} (TP innermost); `parallelize_lm` applies each
+# strategy in a fixed order with a short apply_* function: TP, then the PP split, then DP
 
 
-def apply_ddp(model, device):
-    try:  # imported only here: torch-ddp mode needs no meshrun
-        from meshrun.parallel import ddp
+@dataclass
+class Parallel:
+    """What the training loop needs from `parallelize_lm`."""
+
+    lm: nn.Module  # the full CharLM: parameter names (under TP: local shards), checkpoints
+    model: nn.Module  # what to call for forward and backward without a pipeline
+    modules: nn.Module  # this rank's part of the model: give its parameters to the optimizer
+    schedule: object | None  # the pipeline schedule (--pp > 1), else None
+    mesh: object | None  # meshrun.parallel.Mesh; None in one process or with torch-ddp
+    dp_rank: int
+    dp_size: int
+    loss_ranks: int  # ranks that hold the loss: all, or those of the last pipeline stage
+
+
+def parallelize_lm(model, args):
+    """Apply ``--pp``, ``--tp`` and ``--dp`` (``--dp-mode``) to ``model`` over one mesh.
+
+    The mesh is ``Mesh({"pp": P, "dp": D, "tp": T})`` (D defaults to world size / (P T)).
+    Order: TP on the whole CharLM first, so its parameter names and the plan's keys stay those
+    of CharLM and the Embed / LMHead wrappers of the split share the already sharded modules;
+    then the pipeline split, keeping this rank's stages; then data parallelism on each of them
+    over the "dp" axis (fsdp: each block, then the stage; ddp: the stage). The char LM's
+    embedding and head are separate parameters (untied), so no gradient has to be summed
+    across the first and last stages. Under plain python (one process) nothing is applied;
+    ``--dp-mode torch-ddp`` (the reference, needs no meshrun) is for pure data parallelism.
+    """
+    distributed = dist.is_initialized()
+    world_size = dist.get_world_size() if distributed else 1
+    pp, tp = args.pp, args.tp
+    if args.dp is None and world_size % (pp * tp):
+        raise SystemExit(f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size "
+                         f"{world_size} (data parallelism takes the rest)")
+    dp = args.dp if args.dp is not None else world_size // (pp * tp)
+    if pp * dp * tp != world_size:
+        raise SystemExit(f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} ranks, but the "
+                         f"world size is {world_size}: make the product equal the world size")
+    if args.sequence_parallel and tp == 1:
+        raise SystemExit("--sequence-parallel needs --tp > 1")
+    if not distributed or (args.dp_mode == "torch-ddp" and pp == tp == 1):
+        dp_rank = dist.get_rank() if distributed else 0
+        wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
+        return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
+                        dp_rank=dp_rank, dp_size=dp, loss_ranks=world_size)
+    if args.dp_mode == "torch-ddp":
+        raise SystemExit("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) "
+                         "is for pure data parallelism; with --pp or --tp use --dp-mode ddp "
+                         "or fsdp")
+    try:  # imported only here: one process and torch-ddp need no meshrun
+        from meshrun.parallel import Mesh
     except ImportError as e:
-        raise SystemExit(f"--dp-mode ddp needs meshrun importable ({e}): `pip install -e .` "
-                         f"or set PYTHONPATH to the repository root") from None
-    return ddp(model), model
+        raise SystemExit(f"--dp-mode {args.dp_mode}, --tp and --pp need meshrun importable "
+                         f"({e}): `pip install -e .` or set PYTHONPATH to the repository "
+                         f"root") from None
+    mesh = Mesh({"pp": pp, "dp": dp, "tp": tp})
+    if tp > 1:  # before the split: the plan names CharLM's modules
+        apply_tp(model, mesh.group("tp"), args.sequence_parallel)
+    schedule, stages = None, [model]
+    if pp > 1:
+        schedule = apply_pp(model, mesh.group("pp"), args)
+        stages = [stage.submodule for stage in schedule.stages]
+    if dp > 1:  # per stage: the pipeline switches gradient sync per stage module
+        for module in stages:
+            (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, mesh.group("dp"))
+    return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
+                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp,
+                    loss_ranks=world_size // pp)  # --pp: only the last stage has the loss
 
 
-def apply_torch_ddp(model, device):
+def apply_torch_ddp(model):
     from torch.nn.parallel import DistributedDataParallel
 
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids), model  # (wrapped, raw for state)
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                   else None)
 
 
-def apply_fsdp(model, device):
+def apply_ddp(module, group):
+    from meshrun.parallel import ddp
+
+    ddp(module, group)
+
+
+def apply_fsdp(module, group):
+    """One unit per block, then the module (the stage or CharLM: embeddings, norm, head)."""
     from meshrun.parallel import fully_shard
 
-    for block in model.blocks:  # one unit per block, then the root: embeddings, norm, head
-        fully_shard(block)
-    return fully_shard(model), model  # the optimizer steps on the shards it already holds
-
-
-STRATEGIES = {"ddp": apply_ddp, "fsdp": apply_fsdp, "torch-ddp": apply_torch_ddp}
+    for block in module.blocks.children():  # CharLM: nn.Sequential; a stage: nn.ModuleDict
+        fully_shard(block, group)
+    fully_shard(module, group)  # the optimizer steps on the shards the parameters now hold
 
 
 # -------------------------------------------------------------------------------------------
-# tensor parallelism (--tp N): Megatron-style, vocab-parallel embedding and loss; data
-# parallelism (meshrun ddp) over the remaining world_size / N ranks
+# tensor parallelism (--tp N): Megatron-style, vocab-parallel embedding and loss
 
 
 def tp_plan(sequence_parallel=False):
@@ -226,34 +301,27 @@ def tp_plan(sequence_parallel=False):
         "blocks.*.mlp.2": RowwiseParallel(output_layouts=seq),
         "head": ColwiseParallel(input_layouts=seq, vocab_parallel=True),  # sharded logits
     }
-    if sequence_parallel:  # split the sequence after the embeddings; norms on token shards
-        plan["blocks"] = PrepareModuleInput(input_layouts=Replicate(),
-                                            desired_input_layouts=Shard(1))
+    if sequence_parallel:  # split the sequence after the embeddings (at the first block, so
+        # under --pp too: later stages receive sequence shards); norms on token shards
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
+                                              desired_input_layouts=Shard(1))
         for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
             plan[name] = SequenceParallel()
     return plan
 
 
-def apply_tp(model, tp, sequence_parallel):
-    """Shard the model over groups of ``tp`` ranks; return (model, dp_rank, dp_size)."""
+def apply_tp(model, group, sequence_parallel):
     from functools import partial
 
-    from meshrun.parallel import Mesh, ddp, parallelize, vocab_parallel_cross_entropy
+    from meshrun.parallel import parallelize, vocab_parallel_cross_entropy
 
-    world_size = dist.get_world_size()
-    if world_size % tp:
-        raise SystemExit(f"--tp {tp} must divide the world size {world_size}")
-    mesh = Mesh({"dp": world_size // tp, "tp": tp})
-    parallelize(model, mesh.group("tp"), tp_plan(sequence_parallel))
-    model.loss_fn = partial(vocab_parallel_cross_entropy, group=mesh.group("tp"))
-    if mesh.size("dp") > 1:
-        ddp(model, mesh.group("dp"))
-    return model, mesh.rank("dp"), mesh.size("dp")
+    parallelize(model, group, tp_plan(sequence_parallel))
+    model.loss_fn = partial(vocab_parallel_cross_entropy, group=group)
 
 
 # -------------------------------------------------------------------------------------------
 # pipeline parallelism (--pp N): the blocks split into N stages (2N with interleaved 1F1B),
-# embeddings on the first, norm and head on the last; meshrun ddp over world_size / N ranks
+# embeddings on the first, norm and head on the last
 
 
 class Embed(nn.Module):  # the first stage's prologue: CharLM.forward's embedding line
@@ -274,36 +342,42 @@ class LMHead(nn.Module):  # the last stage's epilogue: final norm and head -> lo
         return self.head(self.ln_f(x))
 
 
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+def lm_loss(logits, targets, loss_fn=F.cross_entropy):
+    return loss_fn(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def apply_pp(model, args):
-    """Split the model into stages; return (this rank's stage modules, schedule, dp rank/size)."""
-    from meshrun.parallel import Mesh, ddp
+def apply_pp(model, group, args):
+    """Split the model into stages; return the schedule of this rank's stages."""
+    from functools import partial
+
     from meshrun.parallel.pipelining import pipeline, split_into_stages
 
-    world_size = dist.get_world_size()
-    if world_size % args.pp or args.tp > 1:
-        raise SystemExit(f"--pp {args.pp} must divide the world size {world_size} (and is not "
-                         f"combined with --tp yet)")
-    mesh = Mesh({"pp": args.pp, "dp": world_size // args.pp})
     n_stages = args.pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
     stages = split_into_stages(model.blocks, n_stages, first=Embed(model), last=LMHead(model))
-    schedule = pipeline(stages, mesh.group("pp"), schedule=args.pp_schedule,
-                        n_microbatches=args.pp_microbatches, loss_fn=lm_loss)
-    mine = nn.ModuleList(stage.submodule for stage in schedule.stages)
-    if mesh.size("dp") > 1:  # gradients synchronised once per step, on the last microbatch
-        for module in mine:
-            ddp(module, mesh.group("dp"))
-    return mine, schedule, mesh.rank("dp"), mesh.size("dp")
+    return pipeline(stages, group, schedule=args.pp_schedule,
+                    n_microbatches=args.pp_microbatches,
+                    loss_fn=partial(lm_loss, loss_fn=model.loss_fn))  # --tp: vocab-parallel
 
 
-def pp_step(schedule, x, y):
-    """Forward and backward of every microbatch; the mean loss on the last stage, else 0."""
-    losses = []
-    schedule.step(x, target=y, losses=losses, return_outputs=False)
+def forward_backward(par, x, y):
+    """Forward and backward of one batch; its mean loss (--pp: on the last stage, else 0)."""
+    if par.schedule is None:
+        loss = par.model(x, y)
+        loss.backward()
+        return loss
+    losses = []  # --pp: the schedule runs forward and backward per microbatch
+    par.schedule.step(x, target=y, losses=losses, return_outputs=False)
     return torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
+
+
+def clip_gradients(par, max_norm):
+    """Clip by the norm of the whole model's gradient, over every axis of the mesh."""
+    params = list(par.modules.parameters())
+    if par.mesh is None:  # one process, or torch-ddp: every rank holds the whole gradient
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from meshrun.parallel import clip_grad_norm_
+
+    return clip_grad_norm_(params, max_norm, mesh=par.mesh)
 
 
 def main(argv=None):
@@ -326,37 +400,28 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts anyway)
     data, vocab_size = load_text()
     model = CharLM(vocab_size, args.block_size).to(device)
-    dp_rank, dp_size = rank, world_size
-    if args.tp > 1:  # shard before the optimizer sees the parameters
-        if args.checkpoint_dir:
-            raise SystemExit("--checkpoint-dir is not supported with --tp yet (sharded state)")
-        model, dp_rank, dp_size = apply_tp(model, args.tp, args.sequence_parallel)
-    schedule = None
-    if args.pp > 1:  # keep this rank's stages before the optimizer sees the parameters
-        if args.checkpoint_dir:
-            raise SystemExit("--checkpoint-dir is not supported with --pp yet (stages hold "
-                             "parts of the model)")
-        model, schedule, dp_rank, dp_size = apply_pp(model, args)
+    if args.tp > 1 and args.checkpoint_dir:
+        raise SystemExit("--checkpoint-dir is not supported with --tp yet (sharded state)")
+    if args.pp > 1 and args.checkpoint_dir:
+        raise SystemExit("--checkpoint-dir is not supported with --pp yet (stages hold "
+                         "parts of the model)")
     if args.dp_mode == "fsdp" and args.checkpoint_dir and distributed:
         raise SystemExit("--checkpoint-dir is not supported with --dp-mode fsdp yet (rank 0 "
                          "holds only its shards; see meshrun.parallel.full_state_dict)")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    start = load_checkpoint(args.checkpoint_dir, model, optimizer, device)
+    par = parallelize_lm(model, args)  # before the optimizer sees the parameters
+    optimizer = torch.optim.AdamW(par.modules.parameters(), lr=args.lr, weight_decay=0.1)
+    start = load_checkpoint(args.checkpoint_dir, par.lm, optimizer, device)
     if master and start:
         print(f"resumed from step {start}", flush=True)
-    if distributed and args.tp == 1 and args.pp == 1:
-        model, raw_model = STRATEGIES[args.dp_mode](model, device)
-    else:
-        raw_model = model
     if master:
-        n_params = sum(p.numel() for p in raw_model.parameters())
-        mode = f"tp {args.tp}{' + sp' if args.sequence_parallel else ''} | dp {dp_size}" \
-            if args.tp > 1 else f"dp-mode {args.dp_mode}"
-        if args.pp > 1:
-            mode = f"pp {args.pp} ({args.pp_schedule}, {args.pp_microbatches} microbatches) " \
-                f"| dp {dp_size}"
-        print(f"{n_params / 1e6:.2f}M params (per rank) | world {world_size} | {mode}",
-              flush=True)
+        n_params = sum(p.numel() for p in par.modules.parameters())
+        mode = [f"pp {args.pp} ({args.pp_schedule}, {args.pp_microbatches} microbatches)"] \
+            if args.pp > 1 else []
+        if args.tp > 1:
+            mode.append(f"tp {args.tp}{' + sp' if args.sequence_parallel else ''}")
+        mode.append(f"dp {par.dp_size} (dp-mode {args.dp_mode})")
+        print(f"{n_params / 1e6:.2f}M params (per rank) | world {world_size} | "
+              f"{' | '.join(mode)}", flush=True)
 
     warmup = max(1, args.steps // 20)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -368,30 +433,27 @@ def main(argv=None):
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch(data, step, args.seed, args.batch_size, args.block_size, dp_rank,
-                         dp_size)
-        if schedule is not None:  # --pp: the schedule runs forward and backward per microbatch
-            optimizer.zero_grad(set_to_none=True)
-            loss = pp_step(schedule, x.to(device), y.to(device))
-        else:
-            loss = model(x.to(device), y.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+        x, y = get_batch(data, step, args.seed, args.batch_size, args.block_size, par.dp_rank,
+                         par.dp_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(par, x.to(device), y.to(device))
+        if args.grad_clip > 0:
+            clip_gradients(par, args.grad_clip)
         optimizer.step()
 
         done = step + 1
         if done % args.log_every == 0 or done in (1, args.steps):
             loss = loss.detach()
             if distributed:
-                dist.all_reduce(loss)
-                loss /= world_size if schedule is None else dp_size  # --pp: last stage only
+                dist.all_reduce(loss)  # --tp: equal on the TP ranks; --pp: 0 off the last stage
+                loss /= par.loss_ranks
             ms = (time.perf_counter() - t0) * 1000 / (done - start)
             if master:
                 print(f"step {done} | loss {loss.item():.4f} | lr {lr:.2e} | {ms:.0f} ms/step",
                       flush=True)
         if args.checkpoint_dir and master and (done % args.checkpoint_every == 0
                                                or done == args.steps):
-            save_checkpoint(args.checkpoint_dir, raw_model, optimizer, done)
+            save_checkpoint(args.checkpoint_dir, par.lm, optimizer, done)
     if distributed:
         dist.destroy_process_group()
 

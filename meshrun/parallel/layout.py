@@ -41,6 +41,11 @@ class Piece:
         """The block of ``local`` (a view, shape ``sizes``)."""
         return local[self.index]
 
+    @property
+    def region(self) -> tuple[slice, ...]:
+        """Where the block sits in the global tensor: ``global[region]`` has shape ``sizes``."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes, strict=True))
+
 
 def global_shape(param: torch.Tensor) -> torch.Size:
     """The unsharded shape of ``param`` (its own shape when no strategy cut it)."""

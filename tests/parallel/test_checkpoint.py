@@ -79,8 +79,9 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert "second saved" not in out
 
-    from meshrun.parallel import checkpoint
     import torch
+
+    from meshrun.parallel import checkpoint
 
     assert checkpoint.latest(tmp_path) == str(tmp_path / "step_1")
     assert not (tmp_path / "step_2").exists()

@@ -106,8 +106,7 @@ def fill(model, params, optimizer, value):
                     if full is None:
                         block.zero_()
                     else:
-                        block.copy_(full[tuple(slice(o, o + n) for o, n in
-                                               zip(piece.offsets, piece.sizes))])
+                        block.copy_(full[piece.region])
             for v in optimizer.state[p].values():
                 if not v.dim():
                     v.fill_(7.0 if value else 0.0)  # Adam's step
@@ -124,7 +123,7 @@ def mismatches(model, params, optimizer) -> list[str]:
         for key, t in tensors.items():
             full = reference(key, layout.global_shape(p))
             for piece in layout.pieces(p):
-                want = full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))]
+                want = full[piece.region]
                 if not torch.equal(piece.view(t).detach(), want):
                     bad.append(f"{key} block at {piece.offsets}")
         steps = [float(v) for v in optimizer.state[p].values() if not v.dim()]

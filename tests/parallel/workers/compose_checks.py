@@ -1,0 +1,174 @@
+"""N-D composition (pipeline x data x tensor parallel on one mesh) of examples/train_char_lm.py.
+
+Run with 2 ranks (``checks_2``) or 4 (``checks_4``): each check builds a small CharLM, applies
+the example's own `parallelize_lm` for one ``(pp, tp, dp)`` and trains 2 SGD steps with the
+example's `forward_backward` and `clip_gradients`, against the unsplit model in one process on
+the global batch (same initial weights). Compared every step: the loss as the example logs it
+(all-reduced over the ranks that hold it), the total gradient norm returned by the global clip
+against ``torch.nn.utils.clip_grad_norm_`` (clipping active), and the full gradients and
+parameters. Full tensors are rebuilt from every rank's blocks (`layout.pieces`: TP shards,
+FSDP rows, pipeline stages), each block weighted by 1 / (number of ranks holding it), and
+summed by one all-reduce over the world. ``check_refusals``: a mesh that does not fit the
+world, and torch-ddp with --tp, are one clear error each.
+"""
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshrun.parallel import clip_grad_norm_
+from meshrun.parallel.fsdp import unit as fsdp_unit
+from meshrun.parallel.layout import global_shape, pieces, sharded_over
+from tests.parallel.harness import run_checks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import train_char_lm as lm  # noqa: E402
+
+VOCAB, T, B, STEPS = 65, 8, 4, 2  # 65 chars: padded to 66 under tp 2; B: per dp rank
+MAX_NORM = 0.5  # below the initial gradient norm (checked), so the clip scales
+TOL = dict(atol=3e-5, rtol=1e-4)
+DATA = torch.randint(VOCAB, (5000,), generator=torch.Generator().manual_seed(7))
+
+
+def close(a, b, what):
+    torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def full_tensors(par, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) of the whole CharLM, rebuilt on every rank."""
+    mine = {id(p) for p in par.modules.parameters()}
+    stage_ranks = dist.get_world_size() // par.mesh.size("pp")
+    names, fulls = [], []
+    for name, p in par.lm.named_parameters():
+        full = torch.zeros(global_shape(p))
+        local = p.grad if grads else p.detach()
+        if id(p) in mine and local is not None:
+            weight = math.prod(dist.get_world_size(g) for g in sharded_over(p)) / stage_ranks
+            for piece in pieces(p):
+                full[piece.region] += piece.view(local) * weight
+        names.append(name)
+        fulls.append(full)
+    flat = torch.cat([f.reshape(-1) for f in fulls])
+    dist.all_reduce(flat)
+    return dict(zip(names, flat.split([f.numel() for f in fulls]), strict=True))
+
+
+def compare(par, ref, what, grads):
+    full = full_tensors(par, grads)
+    for name, q in ref.named_parameters():
+        close(full[name].view_as(q), (q.grad if grads else q).detach(), f"{what} {name}")
+
+
+def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
+           count_syncs=False):
+    args = lm.parse_args(["--pp", str(pp), "--tp", str(tp), "--dp", str(dp), "--dp-mode", mode,
+                          "--pp-schedule", schedule, "--pp-microbatches", "2"])
+    torch.manual_seed(0)
+    model = lm.CharLM(VOCAB, T, n_layer=n_layer, n_head=2, n_embd=16)
+    ref = copy.deepcopy(model)
+    par = lm.parallelize_lm(model, args)
+    assert (par.dp_size, par.loss_ranks) == (dp, tp * dp), (par.dp_size, par.loss_ranks)
+    # SGD, not Adam: Adam's first step, lr * g / |g|, turns rounding noise of zero gradients
+    # (the key bias) into +-lr
+    opt = torch.optim.SGD(par.modules.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    syncs = []
+    original = fsdp_unit.reduce_scatter
+    if count_syncs:
+        fsdp_unit.reduce_scatter = lambda *a, **k: syncs.append(1) or original(*a, **k)
+    try:
+        for step in range(STEPS):
+            x, y = lm.get_batch(DATA, step, 1, B, T, par.dp_rank, par.dp_size)
+            gx, gy = lm.get_batch(DATA, step, 1, B * dp, T, 0, 1)  # the global batch
+            opt.zero_grad(set_to_none=True)
+            syncs.clear()
+            loss = lm.forward_backward(par, x, y).detach().clone()
+            dist.all_reduce(loss)  # as the example logs it
+            ref_opt.zero_grad(set_to_none=True)
+            ref_loss = ref(gx, gy)
+            ref_loss.backward()
+            close(loss / par.loss_ranks, ref_loss.detach(), f"step {step} loss")
+            compare(par, ref, f"step {step} grad", grads=True)
+            if count_syncs:  # one reduce-scatter per unit and step, not per microbatch
+                units = sum(1 for m in par.modules.modules() if hasattr(m, "_fsdp_unit"))
+                assert len(syncs) == units, f"{len(syncs)} reduce-scatters for {units} units"
+            if inf_norm:  # max_norm inf: nothing scaled
+                total = clip_grad_norm_(list(par.modules.parameters()), math.inf, math.inf,
+                                        mesh=par.mesh)
+                ref_max = max(q.grad.abs().max() for q in ref.parameters())
+                close(total, ref_max, f"step {step} inf norm")
+            total = lm.clip_gradients(par, MAX_NORM)
+            ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            assert step > 0 or ref_total > MAX_NORM, f"no clipping: norm {ref_total}"
+            close(total, ref_total, f"step {step} total norm")
+            opt.step()
+            ref_opt.step()
+            compare(par, ref, f"after step {step} param", grads=False)
+    finally:
+        fsdp_unit.reduce_scatter = original
+
+
+# 2 ranks
+
+
+def check_pp2(ctx):
+    parity(pp=2, tp=1, dp=1)
+
+
+def check_tp2(ctx):
+    parity(pp=1, tp=2, dp=1)
+
+
+def check_dp2_fsdp(ctx):
+    parity(pp=1, tp=1, dp=2, mode="fsdp")
+
+
+def check_dp2_ddp(ctx):
+    parity(pp=1, tp=1, dp=2, mode="ddp")
+
+
+def check_refusals(ctx):
+    for argv, fragment in [
+        (["--pp", "2", "--tp", "2"], "--pp 2 x --tp 2 = 4 must divide the world size 2"),
+        (["--tp", "2", "--dp", "2"], "--pp 1 x --dp 2 x --tp 2 = 4 ranks, but the world size "
+                                     "is 2"),
+        (["--tp", "2", "--dp-mode", "torch-ddp"], "torch-ddp (torch's DistributedDataParallel"),
+    ]:
+        try:
+            lm.parallelize_lm(lm.CharLM(VOCAB, T, n_layer=2, n_head=2, n_embd=16),
+                              lm.parse_args(argv))
+        except SystemExit as e:
+            assert fragment in str(e), f"{fragment!r} not in {e}"
+        else:
+            raise AssertionError(f"{argv}: no error")
+
+
+# 4 ranks
+
+
+def check_pp2_tp2(ctx):
+    parity(pp=2, tp=2, dp=1, inf_norm=True)
+
+
+def check_pp2_dp2_fsdp(ctx):  # FSDP under pipeline microbatching: sync on the last only
+    parity(pp=2, tp=1, dp=2, mode="fsdp", count_syncs=True)
+
+
+def check_pp2_dp2_fsdp_interleaved(ctx):  # two stages (two FSDP roots) per rank
+    parity(pp=2, tp=1, dp=2, mode="fsdp", schedule="interleaved1f1b", n_layer=4)
+
+
+def check_tp2_dp2_fsdp(ctx):  # FSDP rows of TP shards
+    parity(pp=1, tp=2, dp=2, mode="fsdp")
+
+
+checks_2 = [check_pp2, check_tp2, check_dp2_fsdp, check_dp2_ddp, check_refusals]
+checks_4 = [check_pp2_tp2, check_pp2_dp2_fsdp, check_pp2_dp2_fsdp_interleaved,
+            check_tp2_dp2_fsdp]
+
+if __name__ == "__main__":
+    run_checks(checks_2 if sys.argv[1] == "2" else checks_4)
