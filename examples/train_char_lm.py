@@ -18,25 +18,39 @@ P D T must equal the world size), and `parallelize_lm` applies, in this order:
   ``meshrun.parallel.split_into_stages``, trained with ``--pp-schedule`` (1F1B by default)
   over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's.
 - data parallelism over D ranks, ``--dp-mode``: ``ddp`` (default, ``meshrun.parallel.ddp``),
-  ``fsdp`` (``meshrun.parallel.fully_shard`` on each block, then the rest: ZeRO-3; no
-  ``--checkpoint-dir`` yet) or ``torch-ddp`` (torch's ``DistributedDataParallel``, the
+  ``fsdp`` (``meshrun.parallel.fully_shard`` on each block, then the rest: ZeRO-3) or ``torch-ddp`` (torch's ``DistributedDataParallel``, the
   reference; pure data parallelism only). ``--parallel ddp|fsdp|torch-ddp`` = ``--dp-mode``.
 
-Each step draws one global batch of random windows from a generator seeded with (seed, step);
-data-parallel rank r trains on its slice of it, so the data depend only on the step number (a
-resumed run sees exactly the batches it would have). ``--grad-clip`` clips the gradient by the
-norm of the whole model's gradient, taken over every axis of the mesh.
+Data and batch (the rule that keeps training the same across a resize): the text is cut into
+non-overlapping windows of ``--block-size`` + 1 characters; each epoch visits all of them once,
+in an order drawn from (seed, epoch). Step s trains on the next ``--global-batch-size`` G
+windows of that stream (data position s G), whatever the world size. The G windows are split
+into D nearly equal contiguous parts, one per data-parallel rank, and each part into
+``ceil(ceil(G / D) / --batch-size)`` microbatches (gradient accumulation, the same count on
+every rank); each microbatch's mean loss is weighted by its share of G, so the gradient is
+that of the mean loss over the G windows at any D. G defaults to ``--batch-size`` x D at the
+first start and is then kept in the checkpoint: after a resize the same windows are trained
+on in the same steps, none twice and none skipped. (With ``--pp`` the pipeline's microbatches
+are the accumulation: D must divide G, and ``--pp-microbatches`` G / D.) ``--grad-clip`` clips
+the gradient by the norm of the whole model's gradient, taken over every axis of the mesh.
 
-Checkpoints (``--checkpoint-dir``): rank 0 writes model, optimizer, step and RNG state every
-``--checkpoint-every`` steps and at the end, to a temporary file then ``os.replace`` (atomic),
-so a kill mid-save never leaves a corrupt checkpoint. On start every rank resumes from it if
-present (the directory must be visible to every rank). ``--fail-at-step S`` makes rank 0 raise
-at step S on the first attempt (TORCHELASTIC_RESTART_COUNT=0), to show restart + resume.
+Checkpoints (``--checkpoint-dir``): every ``--checkpoint-every`` steps, at the end, and when
+the job is stopped by SIGTERM (the agent's grace period; every rank saves, then exits 143), all
+ranks write ``step_<N>`` with ``meshrun.parallel.checkpoint``: each rank its own shards, in
+parallel, atomically (a kill mid-save leaves the previous checkpoint loadable); the newest
+two are kept. Saved: model, optimizer, step, data position, global batch and RNG state, keyed
+by parameter name, so a start with any world size and any --pp/--tp/--dp layout loads the
+newest one (the directory must be visible to every rank). ``--fail-at-step S`` makes rank 0
+raise at step S on the first attempt (TORCHELASTIC_RESTART_COUNT=0), to show restart + resume.
 """
 
 import argparse
+import contextlib
+import functools
 import math
 import os
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -60,7 +74,10 @@ DP_MODES = ("ddp", "fsdp", "torch-ddp")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="windows per rank per forward (the microbatch)")
+    p.add_argument("--global-batch-size", type=int, default=None, help="windows per step over "
+                   "all data-parallel ranks (default: --batch-size x dp; a checkpoint's wins)")
     p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
@@ -137,7 +154,8 @@ class CharLM(nn.Module):
 
 
 # -------------------------------------------------------------------------------------------
-# data: one global batch of random windows per step, sliced by data-parallel rank
+# data: an epoch is every window once, in a seeded order; step s trains on windows
+# [s G, (s + 1) G) of that stream, split by data-parallel rank, then into microbatches
 
 
 def load_text(path=DATA):
@@ -148,37 +166,107 @@ def load_text(path=DATA):
     return torch.tensor([stoi[c] for c in text], dtype=torch.long), len(chars)
 
 
-def get_batch(data, step, seed, batch_size, block_size, dp_rank, dp_size):
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(len(data) - block_size - 1, (batch_size * dp_size,), generator=g)
-    starts = starts[dp_rank * batch_size:(dp_rank + 1) * batch_size]
-    x = torch.stack([data[s:s + block_size] for s in starts])
-    y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts])
+@functools.lru_cache(maxsize=2)
+def epoch_order(n_windows, seed, epoch):
+    return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 1_000_003
+                                                                            + epoch))
+
+
+def window_ids(position, count, n_windows, seed):
+    """Windows ``position .. position + count - 1`` of the endless stream of epochs."""
+    ids = []
+    while count > 0:
+        epoch, offset = divmod(position, n_windows)
+        take = min(count, n_windows - offset)
+        ids.append(epoch_order(n_windows, seed, epoch)[offset:offset + take])
+        position, count = position + take, count - take
+    return torch.cat(ids)
+
+
+def accumulation_steps(global_batch, dp_size, batch_size):
+    """Microbatches per rank per step: enough that none exceeds ``batch_size`` windows."""
+    if global_batch < dp_size:
+        raise SystemExit(f"--global-batch-size {global_batch} is smaller than the data-"
+                         f"parallel size {dp_size}: every rank needs at least one window")
+    return max(1, ceil_div(ceil_div(global_batch, dp_size), batch_size))
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def microbatches(ids, dp_rank, dp_size, n_micro):
+    """This rank's part of a step's window ids, as ``n_micro`` nearly equal microbatches."""
+    part = torch.tensor_split(ids, dp_size)[dp_rank]
+    return torch.tensor_split(part, n_micro)
+
+
+def windows(data, ids, block_size):
+    """Inputs and targets ``[len(ids), block_size]`` of the given windows."""
+    starts = ids * block_size
+    x = torch.stack([data[s:s + block_size] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts.tolist()])
     return x, y
 
 
 # -------------------------------------------------------------------------------------------
-# checkpoints: rank 0 writes to a temp file and renames it (atomic); every rank reads
+# checkpoints: meshrun.parallel.checkpoint, every rank its own shards, atomic, resharding
 
 
-def save_checkpoint(ckpt_dir, model, optimizer, step):
-    os.makedirs(ckpt_dir, exist_ok=True)
-    path = os.path.join(ckpt_dir, "ckpt.pt")
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-             "rng": torch.get_rng_state()}
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def checkpoint_state(par, optimizer, step, position, global_batch):
+    """What a checkpoint holds, keyed by the CharLM's parameter names (this rank's part)."""
+    from meshrun.parallel import checkpoint
+
+    mine = list(par.modules.parameters())
+    return {"model": checkpoint.model_state(par.lm, params=mine),
+            "optim": checkpoint.optimizer_state(optimizer, par.lm, params=mine),
+            "step": step, "data": {"position": position, "global_batch": global_batch},
+            "rng": torch.get_rng_state()}
 
 
-def load_checkpoint(ckpt_dir, model, optimizer, device):
-    path = os.path.join(ckpt_dir, "ckpt.pt") if ckpt_dir else None
-    if path is None or not os.path.exists(path):
-        return 0
-    state = torch.load(path, map_location=device)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"].cpu())
-    return state["step"]
+def save_checkpoint(ckpt_dir, state, step, keep=2):
+    """Write ``<ckpt_dir>/step_<step>`` (a collective), then drop all but the newest ``keep``."""
+    from meshrun.parallel import checkpoint
+
+    state["rng"] = torch.get_rng_state()
+    checkpoint.save(state, os.path.join(ckpt_dir, f"step_{step}"))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        steps = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
+                       if n.startswith("step_") and n[5:].isdigit())
+        for old in steps[:-keep]:
+            shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
+
+
+def load_checkpoint(ckpt_dir, state):
+    """Load the newest checkpoint under ``ckpt_dir`` into ``state``; its path, or None."""
+    from meshrun.parallel import checkpoint
+
+    path = checkpoint.latest(ckpt_dir)
+    if path is not None:
+        checkpoint.load(state, path)
+        torch.set_rng_state(state["rng"])
+    return path
+
+
+class StopRequest:
+    """SIGTERM (the launcher stopping the job) asks for a checkpoint at the end of the step.
+
+    Every rank must take part in the save, so the ranks agree first (one all-reduce MAX of a
+    flag per step: cheap next to a step) and save together even if the signal reached only
+    some of them."""
+
+    def __init__(self):
+        self.signum = 0
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self):
+        flag = torch.tensor([self.signum])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
 
 # -------------------------------------------------------------------------------------------
@@ -197,7 +285,6 @@ class Parallel:
     mesh: object | None  # meshrun.parallel.Mesh; None in one process or with torch-ddp
     dp_rank: int
     dp_size: int
-    loss_ranks: int  # ranks that hold the loss: all, or those of the last pipeline stage
 
 
 def parallelize_lm(model, args):
@@ -228,7 +315,7 @@ def parallelize_lm(model, args):
         dp_rank = dist.get_rank() if distributed else 0
         wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
         return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
-                        dp_rank=dp_rank, dp_size=dp, loss_ranks=world_size)
+                        dp_rank=dp_rank, dp_size=dp)
     if args.dp_mode == "torch-ddp":
         raise SystemExit("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) "
                          "is for pure data parallelism; with --pp or --tp use --dp-mode ddp "
@@ -250,8 +337,7 @@ def parallelize_lm(model, args):
         for module in stages:
             (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, mesh.group("dp"))
     return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
-                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp,
-                    loss_ranks=world_size // pp)  # --pp: only the last stage has the loss
+                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp)
 
 
 def apply_torch_ddp(model):
@@ -359,15 +445,38 @@ def apply_pp(model, group, args):
                     loss_fn=partial(lm_loss, loss_fn=model.loss_fn))  # --tp: vocab-parallel
 
 
-def forward_backward(par, x, y):
-    """Forward and backward of one batch; its mean loss (--pp: on the last stage, else 0)."""
-    if par.schedule is None:
-        loss = par.model(x, y)
-        loss.backward()
-        return loss
-    losses = []  # --pp: the schedule runs forward and backward per microbatch
-    par.schedule.step(x, target=y, losses=losses, return_outputs=False)
-    return torch.stack(losses).mean() if losses else torch.zeros((), device=x.device)
+def forward_backward(par, batches, global_batch, device):
+    """Forward and backward of this rank's microbatches of one step.
+
+    Returns this rank's share of the step's loss: the sum over its microbatches of mean loss x
+    windows / G, so that the shares of the data-parallel ranks add up to the mean loss over
+    the G windows (--pp: on the last stage; 0 elsewhere). Gradients are weighted the same way
+    (x D, since data parallelism averages over D ranks) and synchronised on the last
+    microbatch only."""
+    if par.schedule is not None:  # --pp: the schedule's microbatches are the accumulation
+        (x, y), = batches
+        losses = []
+        par.schedule.step(x.to(device), target=y.to(device), losses=losses,
+                          return_outputs=False)
+        share = len(x) / global_batch
+        return torch.stack(losses).mean() * share if losses else torch.zeros((), device=device)
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        weight = len(x) / global_batch
+        with sync_gradients(par.model, i == len(batches) - 1):
+            loss = par.model(x.to(device), y.to(device))
+            (loss * weight * par.dp_size).backward()
+        total += loss.detach() * weight
+    return total
+
+
+def sync_gradients(model, enabled):
+    """Gradient accumulation: synchronise gradients only on the last microbatch."""
+    if enabled and not hasattr(model, "set_requires_gradient_sync"):
+        return contextlib.nullcontext()  # one microbatch: nothing to switch (and no import)
+    from meshrun.parallel import gradient_sync  # meshrun ddp / fsdp, and torch's DDP
+
+    return gradient_sync(model, enabled)
 
 
 def clip_gradients(par, max_norm):
@@ -400,19 +509,23 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts anyway)
     data, vocab_size = load_text()
     model = CharLM(vocab_size, args.block_size).to(device)
-    if args.tp > 1 and args.checkpoint_dir:
-        raise SystemExit("--checkpoint-dir is not supported with --tp yet (sharded state)")
-    if args.pp > 1 and args.checkpoint_dir:
-        raise SystemExit("--checkpoint-dir is not supported with --pp yet (stages hold "
-                         "parts of the model)")
-    if args.dp_mode == "fsdp" and args.checkpoint_dir and distributed:
-        raise SystemExit("--checkpoint-dir is not supported with --dp-mode fsdp yet (rank 0 "
-                         "holds only its shards; see meshrun.parallel.full_state_dict)")
     par = parallelize_lm(model, args)  # before the optimizer sees the parameters
     optimizer = torch.optim.AdamW(par.modules.parameters(), lr=args.lr, weight_decay=0.1)
-    start = load_checkpoint(args.checkpoint_dir, par.lm, optimizer, device)
-    if master and start:
-        print(f"resumed from step {start}", flush=True)
+    global_batch = args.global_batch_size or args.batch_size * par.dp_size
+    start, position, state = 0, 0, None
+    if args.checkpoint_dir:
+        state = checkpoint_state(par, optimizer, 0, 0, global_batch)
+        path = load_checkpoint(args.checkpoint_dir, state)
+        if path is not None:
+            start, position = state["step"], state["data"]["position"]
+            saved = state["data"]["global_batch"]
+            if master:
+                note = f" (not --global-batch-size {global_batch})" \
+                    if args.global_batch_size and saved != global_batch else ""
+                print(f"resumed from step {start} ({path}); global batch {saved}{note}",
+                      flush=True)
+            global_batch = saved
+    n_micro = check_batch(args, global_batch, par.dp_size)
     if master:
         n_params = sum(p.numel() for p in par.modules.parameters())
         mode = [f"pp {args.pp} ({args.pp_schedule}, {args.pp_microbatches} microbatches)"] \
@@ -421,10 +534,14 @@ def main(argv=None):
             mode.append(f"tp {args.tp}{' + sp' if args.sequence_parallel else ''}")
         mode.append(f"dp {par.dp_size} (dp-mode {args.dp_mode})")
         print(f"{n_params / 1e6:.2f}M params (per rank) | world {world_size} | "
-              f"{' | '.join(mode)}", flush=True)
+              f"{' | '.join(mode)} | global batch {global_batch} = {par.dp_size} ranks x "
+              f"{n_micro} microbatches of <= {ceil_div(global_batch, par.dp_size * n_micro)}",
+              flush=True)
 
     warmup = max(1, args.steps // 20)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    stop = StopRequest() if args.checkpoint_dir else None
+    n_windows = (len(data) - 1) // args.block_size
     t0 = time.perf_counter()
     for step in range(start, args.steps):
         if step == args.fail_at_step and master and restart_count == 0:
@@ -433,37 +550,57 @@ def main(argv=None):
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch(data, step, args.seed, args.batch_size, args.block_size, par.dp_rank,
-                         par.dp_size)
+        ids = window_ids(position, global_batch, n_windows, args.seed)
+        batches = [windows(data, part, args.block_size)
+                   for part in microbatches(ids, par.dp_rank, par.dp_size, n_micro)]
         optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(par, x.to(device), y.to(device))
+        loss = forward_backward(par, batches, global_batch, device)
         if args.grad_clip > 0:
             clip_gradients(par, args.grad_clip)
         optimizer.step()
+        position += global_batch
 
         done = step + 1
         if done % args.log_every == 0 or done in (1, args.steps):
-            loss = loss.detach()
-            if distributed:
-                dist.all_reduce(loss)  # --tp: equal on the TP ranks; --pp: 0 off the last stage
-                loss /= par.loss_ranks
+            if distributed:  # the shares of the dp ranks add up; --tp: each TP rank has it
+                dist.all_reduce(loss)
+                loss /= args.tp
             ms = (time.perf_counter() - t0) * 1000 / (done - start)
             if master:
                 print(f"step {done} | loss {loss.item():.4f} | lr {lr:.2e} | {ms:.0f} ms/step",
                       flush=True)
-        if args.checkpoint_dir and master and (done % args.checkpoint_every == 0
-                                               or done == args.steps):
-            save_checkpoint(args.checkpoint_dir, par.lm, optimizer, done)
+        if stop is None:
+            continue
+        signum = stop.agreed()
+        if signum or done % args.checkpoint_every == 0 or done == args.steps:
+            state.update(step=done, data={"position": position, "global_batch": global_batch})
+            save_checkpoint(args.checkpoint_dir, state, done)
+        if signum:
+            if master:
+                print(f"stopped by signal {signum}: saved step {done}", flush=True)
+            return 128 + signum
     if distributed:
         dist.destroy_process_group()
+    return 0
+
+
+def check_batch(args, global_batch, dp_size):
+    """Microbatches per rank (see the module docstring); one clear line if G does not fit."""
+    if args.pp > 1:
+        if global_batch % dp_size or (global_batch // dp_size) % args.pp_microbatches:
+            raise SystemExit(f"--pp: the global batch {global_batch} must split into "
+                             f"{dp_size} data-parallel parts of a multiple of "
+                             f"--pp-microbatches {args.pp_microbatches} windows")
+        return 1
+    return accumulation_steps(global_batch, dp_size, args.batch_size)
 
 
 if __name__ == "__main__":
-    main()
+    code = main()
     # Training is over and the group destroyed. torch 2.13 + gloo sometimes aborts in its C++
     # teardown after such a clean finish ("terminate called without an active exception",
     # SIGABRT; under torchrun too), which would turn a finished job into a failed one: leave
     # without running that teardown.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -9,6 +9,10 @@ model with an explicit process group or mesh; there are no module-level global g
 - `agree_num_batches()`: uneven inputs; every rank runs the minimum number of batches.
 - `fully_shard()` + `MixedPrecisionPolicy`, `clip_grad_norm_()`, `full_state_dict()`: FSDP
   (ZeRO-3), parameters sharded on dim 0, named as torch's FSDP2.
+- `gradient_sync()`: switch gradient synchronisation off for the first backwards of an
+  accumulation, under FSDP or DDP alike.
+- `checkpoint` (``save``, ``load``, ``latest``, ``model_state``, ``optimizer_state``):
+  distributed checkpoints that reshard on load (`layout` says which blocks a rank holds).
 - `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step).
 - `parallelize()` + `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, ...: tensor and
   sequence parallelism (Megatron); `vocab_parallel_cross_entropy()`; `RNGTracker`.
@@ -26,6 +30,7 @@ from meshrun.parallel.fsdp import (
     full_state_dict,
     fully_shard,
 )
+from meshrun.parallel.grad_sync import gradient_sync
 from meshrun.parallel.heartbeat import heartbeat
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.pipelining import (
@@ -54,6 +59,7 @@ __all__ = ["ColwiseParallel", "Mesh", "ParallelContext", "PrepareModuleInput",
            "PrepareModuleOutput", "RNGTracker", "RowwiseParallel", "SequenceParallel",
            "ShardedDropout", "agree_num_batches", "ddp", "full_tensor", "heartbeat", "init",
            "parallelize", "vocab_parallel_cross_entropy"]
+__all__ += ["gradient_sync"]
 __all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
             "fully_shard"]
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",

@@ -2,10 +2,16 @@
 
 A run that fails at step 12 (first attempt only), restarts and resumes from the step-10
 checkpoint must print the same step-20 loss as an uninterrupted run with torch's DDP: the data
-depend only on the step, and the checkpoint holds model, optimizer and step.
+depend only on the step and the global batch, and the checkpoint holds model, optimizer, step,
+data position and RNG state. The same holds when the rest of the run continues in one process
+from a checkpoint two ranks saved (ddp or fsdp): the global batch is kept by accumulating two
+microbatches.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from harness import REPO, launch, launcher_name
@@ -43,5 +49,24 @@ def test_restart_resumes_from_checkpoint(tmp_path, torch_ddp_output):
                      launcher_args=("--max-restarts", "1"), timeout=120)
     assert "failing on purpose" in resumed.output
     assert "resumed from step 10" in resumed.output, resumed.output
-    assert (tmp_path / "ckpt.pt").exists() and not (tmp_path / "ckpt.pt.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_15", "step_20"]  # newest two
     assert final_loss(resumed.output) == pytest.approx(final_loss(torch_ddp_output), abs=2e-4)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_resume_in_one_process_from_two_ranks(tmp_path, torch_ddp_output, dp_mode):
+    first = launch(EXAMPLE, 2, (*ARGS, "--dp-mode", dp_mode, "--checkpoint-dir", str(tmp_path),
+                                "--checkpoint-every", "5", "--fail-at-step", "12"),
+                   timeout=120, check=False)
+    assert first.returncode != 0 and (tmp_path / "step_10").is_dir(), first.output
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    rest = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--checkpoint-dir",
+                           str(tmp_path)], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    assert "resumed from step 10" in rest.stdout and "global batch 8" in rest.stdout, rest.stdout
+    assert "1 ranks x 2 microbatches" in rest.stdout, rest.stdout
+    assert final_loss(rest.stdout) == pytest.approx(final_loss(torch_ddp_output), abs=2e-4)

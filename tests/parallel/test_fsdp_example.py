@@ -26,10 +26,3 @@ def test_fsdp_matches_ddp():
     fsdp_out = launch(EXAMPLE, 2, (*ARGS, "--parallel", "fsdp"), timeout=90).output
     assert "dp-mode fsdp" in fsdp_out, fsdp_out
     assert losses(fsdp_out) == pytest.approx(losses(ddp_out), abs=2e-4)
-
-
-@pytest.mark.timeout(60)
-def test_fsdp_refuses_checkpoint_dir(tmp_path):
-    run = launch(EXAMPLE, 2, (*ARGS, "--dp-mode", "fsdp", "--checkpoint-dir", str(tmp_path)),
-                 timeout=50, check=False)
-    assert run.returncode != 0 and "not supported with --dp-mode fsdp" in run.output, run.output

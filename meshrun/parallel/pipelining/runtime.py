@@ -47,12 +47,12 @@ Eval: ``eval(*args, target=None, losses=None)`` runs the forwards of the same or
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from meshrun.parallel.grad_sync import gradient_sync
 from meshrun.parallel.heartbeat import heartbeat
 from meshrun.parallel.pipelining.actions import BACKWARD, FORWARD, Action, Order, stage_rank
 from meshrun.parallel.pipelining.orders import forward_only
@@ -272,7 +272,7 @@ class _Step:
             floats = [o for o in outputs if o.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
             tensors, grad_tensors = [o for o, _ in pairs], [g for _, g in pairs]
-        with _gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
+        with gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
         if not stage.is_first:
@@ -411,16 +411,6 @@ class _Recv:
 
 # -------------------------------------------------------------------------------------------
 # helpers
-
-
-def _gradient_sync(module, sync: bool):
-    """Data parallelism beside the pipeline: synchronise gradients only when ``sync``."""
-    if hasattr(module, "set_requires_gradient_sync"):  # FSDP-style
-        module.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
-    if not sync and hasattr(module, "no_sync"):  # meshrun ddp (and DDP-style no_sync)
-        return module.no_sync()
-    return contextlib.nullcontext()
 
 
 def _split(value, m: int, what: str):
