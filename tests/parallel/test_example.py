@@ -10,6 +10,7 @@ microbatches.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -70,3 +71,36 @@ def test_resume_in_one_process_from_two_ranks(tmp_path, torch_ddp_output, dp_mod
     assert "resumed from step 10" in rest.stdout and "global batch 8" in rest.stdout, rest.stdout
     assert "1 ranks x 2 microbatches" in rest.stdout, rest.stdout
     assert final_loss(rest.stdout) == pytest.approx(final_loss(torch_ddp_output), abs=2e-4)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(launcher_name() == "torchrun", reason="signals the meshrun agent")
+def test_sigterm_saves_a_checkpoint_within_the_grace(tmp_path):
+    """SIGTERM to the launcher reaches every rank; they agree, save the step they finished,
+    and exit 143; the next start resumes from that step."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "meshrun", "--nproc-per-node", "2", "--shutdown-timeout", "30",
+           str(EXAMPLE), "--steps", "1000", "--batch-size", "4", "--log-every", "1",
+           "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "step 3 |" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        output = "".join(lines) + proc.stdout.read()
+        assert proc.wait(60) == 143, output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    saved = re.findall(r"stopped by signal 15: saved step (\d+)", output)
+    assert saved, output
+    step = int(saved[0])
+    assert step >= 3 and (tmp_path / f"step_{step}").is_dir(), output
+    assert not list(tmp_path.glob("*.partial"))
+    resumed = launch(EXAMPLE, 2, ("--steps", str(step + 1), "--batch-size", "4",
+                                  "--checkpoint-dir", str(tmp_path)), timeout=120)
+    assert f"resumed from step {step}" in resumed.output, resumed.output
