@@ -22,9 +22,12 @@ def make_char_lm():
     data, vocab = lm.load_text()
     model = lm.CharLM(vocab, lm.DEFAULTS["block_size"])
 
-    def batch(step, rank):
-        return lm.get_batch(data, step, 0, lm.DEFAULTS["batch_size"], lm.DEFAULTS["block_size"],
-                            rank, 2)
+    size, block = lm.DEFAULTS["batch_size"], lm.DEFAULTS["block_size"]
+    n_windows = (len(data) - 1) // block
+
+    def batch(step, rank):  # step s: windows [2 s B, 2 (s + 1) B) of the stream, rank r's half
+        ids = lm.window_ids(step * 2 * size, 2 * size, n_windows, 0)
+        return lm.windows(data, lm.microbatches(ids, rank, 2, 1)[0], block)
 
     def loss_fn(m, x, y):
         return m(x, y)

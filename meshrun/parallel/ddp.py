@@ -15,14 +15,31 @@ Accelerating Data Parallel Training", VLDB 2020):
   ``bucket_cap_mb`` MiB; the first bucket is small (``first_bucket_cap_mb``, 1 MiB as in
   torch) so communication starts early. A bucket closes once it reaches its cap, so it can
   exceed the cap by one tensor; a change of dtype or device also starts a new bucket.
+  A *direct* parameter (contiguous, at least ``DIRECT_MIN_BYTES`` = 1 MiB) is a bucket by
+  itself with no buffer: it is all-reduced in place in its own ``.grad``. Buckets are
+  ordered by when they fill up (the position of their last parameter in that order).
 - Backward: a ``register_post_accumulate_grad_hook`` on each parameter copies its gradient
-  into its slot of the bucket buffer and makes ``param.grad`` a view of that slot
-  (``gradient_as_bucket_view`` in torch terms: no copy back, no second gradient-sized
-  allocation). When a bucket AND every bucket before it are full, each of them is divided by
-  the group size and its ``all_reduce(async_op=True)`` is launched. Buckets therefore launch
-  in a fixed order on every rank, which gloo needs (it matches collectives by issue order).
+  into its slot of the bucket buffer; a direct parameter's ``.grad`` (the tensor autograd
+  made) is itself the buffer. When a bucket AND every bucket before it are full, each of them
+  is divided by the group size and its ``all_reduce(async_op=True)`` is launched. Buckets
+  therefore launch in a fixed order on every rank, which gloo needs (it matches collectives
+  by issue order).
 - End of backward: a callback queued on the autograd engine waits for every launched
-  all-reduce (and copies compressed results back to the full-precision buckets).
+  all-reduce (copies compressed results back to the full-precision buckets) and copies each
+  bucket slot back into its parameter's ``.grad``. So ``.grad`` is always the tensor autograd
+  made (never a view of a bucket), alive until the user's ``zero_grad``, as in torch's
+  default DDP (``gradient_as_bucket_view=False``); only parameters below
+  ``DIRECT_MIN_BYTES`` cost bucket memory on top of their gradients.
+- Why not ``.grad`` as a view of the bucket (torch's ``gradient_as_bucket_view=True``, and
+  this module's first design): then autograd's gradient tensor is freed in the middle of
+  backward, right after its copy into the bucket. Under glibc malloc (whose mmap threshold
+  rises to the size of the first such block freed, up to 32 MiB) gradient-sized blocks then
+  come from the heap, later allocations of the same backward land in the holes they leave,
+  and the freed heap stays resident. Measured on benchmarks/ddp.py's 10.5M-param MLP (peak
+  RSS per run, max of 2 ranks): views 459..476 MiB, torch's default DDP 440..458, torch with
+  ``gradient_as_bucket_view=True`` up to 456, this design 405..435 (views: 390 with
+  ``MALLOC_MMAP_THRESHOLD_`` fixed, i.e. the allocator, not live tensors). Even freeing
+  8 KiB bias gradients mid-backward costs 10..30 MiB there, so none is freed.
 - Rebuild: after the first synchronised backward, the buckets are rebuilt once in the order
   gradients actually arrived on rank 0 (broadcast, so every rank agrees).
 - Buffers (``broadcast_buffers=True``): before each forward with grad enabled and outside
@@ -58,6 +75,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from meshrun.parallel.heartbeat import heartbeat
 
 MiB = 1024 * 1024
+#: A contiguous parameter of at least this many bytes is all-reduced in its own ``.grad``
+#: (a bucket by itself: no bucket buffer, no copies); see the module docstring.
+DIRECT_MIN_BYTES = 1 * MiB
 COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,7 +88,9 @@ def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     """Make ``module`` data-parallel over ``group``; return the same module object.
 
     After ``loss.backward()`` every parameter's ``.grad`` holds the average over the group's
-    ranks of the local gradients (a view into a flat bucket buffer). Adds
+    ranks of the local gradients, in the tensor autograd produced (a parameter of at least
+    ``DIRECT_MIN_BYTES`` is reduced there in place; smaller ones go through a flat bucket
+    buffer and are copied back). Adds
     ``module.no_sync()``, a context manager that skips communication (gradient accumulation).
 
     Args:
@@ -135,11 +157,12 @@ class _Bucket:
 
     params: list[int]  # indices into _Reducer.params
     offsets: list[int]  # element offset of each parameter in the buffer
-    buffer: torch.Tensor  # 1-D, dtype/device of its parameters
+    buffer: torch.Tensor | None  # 1-D, dtype/device of its parameters; direct: the .grad
     pending: int = 0  # gradients still to arrive in this backward
     work: dist.Work | None = None
     comm: torch.Tensor | None = None  # what was all-reduced (the buffer, or a compressed copy)
     views: list[torch.Tensor] = field(default_factory=list)  # per-parameter views of buffer
+    direct: bool = False  # one large parameter, all-reduced in its own .grad (no buffer)
 
 
 class _Reducer:
@@ -185,24 +208,39 @@ class _Reducer:
 
     # -- buckets ----------------------------------------------------------------------------
 
+    def _direct(self, i: int) -> bool:
+        p = self.params[i]
+        return p.numel() * p.element_size() >= DIRECT_MIN_BYTES and p.is_contiguous()
+
     def _assign(self, order: list[int]) -> list[list[int]]:
-        """Pack parameter indices, in ``order``, into buckets by size cap, dtype and device."""
-        groups: list[list[int]] = [[]]
-        size, cap = 0, self.first_bucket_cap
-        for i in order:
+        """Pack parameter indices, in ``order``, into buckets by size cap, dtype and device.
+
+        A direct parameter is a bucket by itself; the others are packed as if it were not
+        there. Buckets are ordered by the position in ``order`` of their last parameter (the
+        order in which they fill up)."""
+        done: list[tuple[int, list[int]]] = []  # (position of the last parameter, group)
+        group: list[int] = []
+        size, cap, last = 0, self.first_bucket_cap, -1
+        for pos, i in enumerate(order):
             p = self.params[i]
-            if groups[-1] and _key(self.params[groups[-1][-1]]) != _key(p):
-                groups.append([])  # a new dtype/device starts a new bucket
-                size, cap = 0, self.bucket_cap
-            groups[-1].append(i)
+            if self._direct(i):
+                done.append((pos, [i]))
+                continue
+            if group and _key(self.params[group[-1]]) != _key(p):
+                done.append((last, group))  # a new dtype/device starts a new bucket
+                group, size, cap = [], 0, self.bucket_cap
+            group.append(i)
+            last = pos
             size += p.numel() * p.element_size()
             if size >= cap:  # close once full (may exceed the cap by one tensor, as torch)
-                groups.append([])
-                size, cap = 0, self.bucket_cap
-        return [g for g in groups if g]
+                done.append((pos, group))
+                group, size, cap = [], 0, self.bucket_cap
+        if group:
+            done.append((last, group))
+        return [g for _, g in sorted(done, key=lambda d: d[0])]
 
     def _build_buckets(self, groups: list[list[int]]) -> None:
-        """Allocate one flat buffer per group; point existing grads at the new slots."""
+        """Allocate one flat buffer per group (none for a direct parameter)."""
         self.buckets = []  # drop references to old buffers before allocating new ones
         self.buckets = [self._make_bucket(g) for g in groups]
         self.location = {}
@@ -212,6 +250,8 @@ class _Reducer:
         self._reset()
 
     def _make_bucket(self, indices: list[int]) -> _Bucket:
+        if len(indices) == 1 and self._direct(indices[0]):
+            return _Bucket(indices, [0], None, direct=True)
         params = [self.params[i] for i in indices]
         offsets, total = [], 0
         for p in params:
@@ -219,10 +259,6 @@ class _Reducer:
             total += p.numel()
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         views = [buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params, strict=True)]
-        for p, view in zip(params, views, strict=True):
-            if p.grad is not None:  # keep accumulated gradients across a rebuild
-                view.copy_(p.grad)
-                p.grad = view
         return _Bucket(indices, offsets, buffer, views=views)
 
     def _reset(self) -> None:
@@ -231,6 +267,8 @@ class _Reducer:
         self.arrived = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.pending, bucket.work, bucket.comm = len(bucket.params), None, None
+            if bucket.direct:
+                bucket.buffer = None  # the .grad belongs to the parameter (and the optimizer)
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -262,17 +300,48 @@ class _Reducer:
                 self.next_bucket += 1
 
     def _into_slot(self, bucket: _Bucket, slot: int) -> bool:
-        """Copy the parameter's .grad into its bucket slot and make .grad a view of the slot.
+        """Copy the parameter's .grad into its bucket slot (direct bucket: the .grad becomes
+        the bucket's buffer, nothing is copied).
 
         Returns False when the parameter has no gradient (the slot is zeroed)."""
         p = self.params[bucket.params[slot]]
+        if bucket.direct:
+            return self._adopt(bucket, p)
         view = bucket.views[slot]
         if p.grad is None:
             view.zero_()
             return False
-        if p.grad.data_ptr() != view.data_ptr():  # not already the view (accumulated in place)
-            view.copy_(p.grad)
-            p.grad = view
+        view.copy_(p.grad)
+        return True
+
+    @torch.no_grad()
+    def _copy_back(self, bucket: _Bucket) -> None:
+        """After the all-reduce: the averaged slots back into the parameters' .grad."""
+        if bucket.direct:
+            return
+        for slot, i in enumerate(bucket.params):
+            p = self.params[i]
+            if p.grad is None:
+                continue  # unused here: _assign_unused decides
+            if p.grad.layout == torch.strided:
+                p.grad.copy_(bucket.views[slot])
+            else:  # e.g. a sparse gradient: .grad becomes dense
+                p.grad = bucket.views[slot].clone()
+
+    @staticmethod
+    def _adopt(bucket: _Bucket, p: nn.Parameter) -> bool:
+        """Direct bucket: its buffer is the parameter's own (contiguous, dense) gradient."""
+        if p.grad is None:
+            bucket.buffer = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            return False
+        grad = p.grad
+        if grad.layout != torch.strided:
+            grad = grad.to_dense()
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        if grad is not p.grad:
+            p.grad = grad
+        bucket.buffer = grad
         return True
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -294,6 +363,7 @@ class _Reducer:
                 bucket.work.wait()
                 if bucket.comm is not bucket.buffer:
                     bucket.buffer.copy_(bucket.comm)
+                self._copy_back(bucket)
             if used is not None:
                 used.wait()
                 self._assign_unused(self.local_used)
@@ -315,7 +385,7 @@ class _Reducer:
                 f"{names}. Pass find_unused_parameters=True to ddp(), or make every parameter "
                 f"take part in the loss")
         self.local_used = torch.zeros(len(self.params), dtype=torch.int32,
-                                      device=self.buckets[0].buffer.device)
+                                      device=self.params[self.buckets[0].params[0]].device)
         for i in range(len(self.params)):
             b, slot = self.location[i]
             has_grad = self.arrived[i] or self._into_slot(self.buckets[b], slot)
@@ -326,10 +396,14 @@ class _Reducer:
         return dist.all_reduce(self.local_used, group=self.group, async_op=True)
 
     def _assign_unused(self, used: torch.Tensor) -> None:
-        """Parameters used on some rank get the averaged slot; unused everywhere keep .grad."""
+        """Parameters used on some rank but without a local .grad get the averaged slot;
+        unused everywhere keep .grad as it was."""
         for i in torch.nonzero(used).flatten().tolist():
-            b, slot = self.location[i]
-            self.params[i].grad = self.buckets[b].views[slot]
+            p = self.params[i]
+            if p.grad is None:
+                b, slot = self.location[i]
+                bucket = self.buckets[b]
+                p.grad = bucket.buffer if bucket.direct else bucket.views[slot].clone()
 
     def _rebuild(self) -> None:
         """Rebuild buckets once, in the order gradients arrived on rank 0 of the group.
@@ -344,10 +418,8 @@ class _Reducer:
         self.arrival_order = []
         groups = self._assign(order_t.tolist())
         if [set(g) for g in groups] != [set(b.params) for b in self.buckets]:
-            # Built at the start of the next backward, not now: now every .grad is a view of the
-            # old buffers (the optimizer has yet to use them), and building now would hold old
-            # and new buffers at once -- one extra copy of the gradients at the peak. By the next
-            # backward, zero_grad(set_to_none=True) has let the old buffers go.
+            # Built at the start of the next backward, not now (the buffers are not needed
+            # before then; either way the old ones are dropped before the new are allocated).
             self.pending_groups = groups
 
     # -- buffers ----------------------------------------------------------------------------

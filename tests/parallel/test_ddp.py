@@ -10,7 +10,7 @@ from harness import launch
 CHECKS = ["check_wrap", "check_default", "check_tiny_buckets", "check_rebuild_order",
           "check_overlap", "check_no_sync", "check_unused", "check_unused_error",
           "check_two_forwards", "check_batchnorm_buffers", "check_uneven", "check_compression",
-          "check_mesh_group"]
+          "check_mesh_group", "check_direct"]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ step on their own slices. Losses, grads and params must match every step.
 """
 
 import copy
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -356,9 +357,36 @@ def check_mesh_group(ctx):
         raise AssertionError("a mesh of 4 on a world of 2 must raise")
 
 
+def check_direct(ctx):
+    """Large parameters are all-reduced in their own .grad (no bucket buffer): the same
+    parity, no_sync, unused-parameter, compression and rebuild behaviour as bucketed ones."""
+    ddp_module = importlib.import_module("meshrun.parallel.ddp")  # not the ddp() function
+    saved = ddp_module.DIRECT_MIN_BYTES
+    ddp_module.DIRECT_MIN_BYTES = 256  # the weights here (>= 4x16 floats) are direct
+    try:
+        model = parity(MLP, ctx)
+        reducer = model._meshrun_ddp
+        direct = sorted(reducer.names[b.params[0]] for b in reducer.buckets if b.direct)
+        assert direct == ["fc1.weight", "fc2.weight", "fc3.weight"], direct
+        shared = [[reducer.names[i] for i in b.params] for b in reducer.buckets if not b.direct]
+        assert len(shared) == 1 and all(n.endswith(".bias") for n in shared[0]), shared
+        assert all(b.buffer is None for b in reducer.buckets if b.direct), "buffer kept alive"
+        for name, p in model.named_parameters():  # autograd's tensors, not bucket views
+            assert p.grad._base is None, name
+        check_no_sync(ctx)
+        check_compression(ctx)
+        check_rebuild_order(ctx)
+        check_overlap(ctx)
+        ddp_module.DIRECT_MIN_BYTES = 64  # Unused: every weight, none of the biases
+        check_unused(ctx)  # incl. rank0_only.weight: a zero buffer on rank 1, then assigned
+    finally:
+        ddp_module.DIRECT_MIN_BYTES = saved
+
+
 CHECKS = [check_wrap, check_default, check_tiny_buckets, check_rebuild_order, check_overlap,
           check_no_sync, check_unused, check_unused_error, check_two_forwards,
-          check_batchnorm_buffers, check_uneven, check_compression, check_mesh_group]
+          check_batchnorm_buffers, check_uneven, check_compression, check_mesh_group,
+          check_direct]
 
 
 def main():
