@@ -106,6 +106,12 @@ def parse_args(argv=None):
         args.pp = int(os.environ.get("WORLD_SIZE", 1))
     elif args.parallel is not None:
         args.dp_mode = args.parallel
+    # bad flags: one line from rank 0 (every rank would print the same), exit 2 on every rank
+    problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", 1)))
+    if problem:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{p.prog}: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     return args
 
 
@@ -229,8 +235,13 @@ def save_checkpoint(ckpt_dir, state, step, keep=2):
     from meshrun.parallel import checkpoint
 
     state["rng"] = torch.get_rng_state()
-    checkpoint.save(state, os.path.join(ckpt_dir, f"step_{step}"))
+    path = os.path.join(ckpt_dir, f"step_{step}")
+    t0 = time.perf_counter()
+    checkpoint.save(state, path)
     if not dist.is_initialized() or dist.get_rank() == 0:
+        size = sum(f.stat().st_size for f in os.scandir(path))
+        print(f"saved {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - t0:.2f} s)",
+              flush=True)
         steps = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
                        if n.startswith("step_") and n[5:].isdigit())
         for old in steps[:-keep]:
@@ -249,7 +260,8 @@ def load_checkpoint(ckpt_dir, state):
 
 
 class StopRequest:
-    """SIGTERM (the launcher stopping the job) asks for a checkpoint at the end of the step.
+    """SIGTERM (the launcher stopping the job) or SIGINT (Ctrl-C) asks for a checkpoint at the
+    end of the step.
 
     Every rank must take part in the save, so the ranks agree first (one all-reduce MAX of a
     flag per step: cheap next to a step) and save together even if the signal reached only
@@ -258,6 +270,7 @@ class StopRequest:
     def __init__(self):
         self.signum = 0
         signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
         self.signum = signum
@@ -301,25 +314,16 @@ def parallelize_lm(model, args):
     """
     distributed = dist.is_initialized()
     world_size = dist.get_world_size() if distributed else 1
+    problem = layout_problem(args, world_size)
+    if problem:
+        raise SystemExit(problem)
     pp, tp = args.pp, args.tp
-    if args.dp is None and world_size % (pp * tp):
-        raise SystemExit(f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size "
-                         f"{world_size} (data parallelism takes the rest)")
     dp = args.dp if args.dp is not None else world_size // (pp * tp)
-    if pp * dp * tp != world_size:
-        raise SystemExit(f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} ranks, but the "
-                         f"world size is {world_size}: make the product equal the world size")
-    if args.sequence_parallel and tp == 1:
-        raise SystemExit("--sequence-parallel needs --tp > 1")
     if not distributed or (args.dp_mode == "torch-ddp" and pp == tp == 1):
         dp_rank = dist.get_rank() if distributed else 0
         wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
         return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
                         dp_rank=dp_rank, dp_size=dp)
-    if args.dp_mode == "torch-ddp":
-        raise SystemExit("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) "
-                         "is for pure data parallelism; with --pp or --tp use --dp-mode ddp "
-                         "or fsdp")
     try:  # imported only here: one process and torch-ddp need no meshrun
         from meshrun.parallel import Mesh
     except ImportError as e:
@@ -338,6 +342,32 @@ def parallelize_lm(model, args):
             (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, mesh.group("dp"))
     return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
                     schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp)
+
+
+def layout_problem(args, world_size):
+    """What is wrong with ``--pp/--tp/--dp/--dp-mode`` for this world size, or None."""
+    pp, tp = args.pp, args.tp
+    if args.dp is None and world_size % (pp * tp):
+        return (f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world_size} "
+                f"(data parallelism takes the rest)")
+    dp = args.dp if args.dp is not None else world_size // (pp * tp)
+    if pp * dp * tp != world_size:
+        return (f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} ranks, but the world "
+                f"size is {world_size}: make the product equal the world size")
+    if args.sequence_parallel and tp == 1:
+        return "--sequence-parallel needs --tp > 1"
+    if args.dp_mode == "torch-ddp" and world_size > 1 and (pp > 1 or tp > 1):
+        return ("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) is for "
+                "pure data parallelism; with --pp or --tp use --dp-mode ddp or fsdp")
+    stages = pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
+    if pp > 1 and stages > N_LAYER:
+        how = f"{pp} pipeline ranks x 2 stages (interleaved)" if stages > pp else \
+            f"{pp} pipeline ranks"
+        return (f"--pp {pp}: {how} = {stages} stages, but the model has {N_LAYER} blocks; "
+                f"use at most {N_LAYER} stages")
+    if N_HEAD % tp:
+        return f"--tp {tp} must divide the model's {N_HEAD} attention heads"
+    return None
 
 
 def apply_torch_ddp(model):
@@ -534,8 +564,7 @@ def main(argv=None):
             mode.append(f"tp {args.tp}{' + sp' if args.sequence_parallel else ''}")
         mode.append(f"dp {par.dp_size} (dp-mode {args.dp_mode})")
         print(f"{n_params / 1e6:.2f}M params (per rank) | world {world_size} | "
-              f"{' | '.join(mode)} | global batch {global_batch} = {par.dp_size} ranks x "
-              f"{n_micro} microbatches of <= {ceil_div(global_batch, par.dp_size * n_micro)}",
+              f"{' | '.join(mode)} | {batch_summary(args, global_batch, par.dp_size, n_micro)}",
               flush=True)
 
     warmup = max(1, args.steps // 20)
@@ -582,6 +611,18 @@ def main(argv=None):
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def batch_summary(args, global_batch, dp_size, n_micro):
+    """``global batch 32: 2 data-parallel ranks x 2 microbatches of <= 8 windows``."""
+    if args.pp > 1:
+        n_micro = args.pp_microbatches
+        kind = "pipeline microbatches"
+    else:
+        kind = "microbatch" + ("es" if n_micro > 1 else "") + " (accumulated)" * (n_micro > 1)
+    ranks = f"{dp_size} data-parallel rank{'s' if dp_size > 1 else ''}"
+    return (f"global batch {global_batch}: {ranks} x {n_micro} {kind} of <= "
+            f"{ceil_div(global_batch, dp_size * n_micro)} windows")
 
 
 def check_batch(args, global_batch, dp_size):

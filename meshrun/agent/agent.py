@@ -7,7 +7,9 @@ One `Agent` runs on every node (DESIGN.md §2). Its run loop:
 3. every ``monitor_interval``: the group's outcome, and the rendezvous' news;
    - all workers exited 0 -> exit barrier -> exit 0;
    - a worker failed -> publish the failure, spend one restart of the job's budget (or end
-     the job), stop the group, go to 1;
+     the job), stop the group, go to 1; but when the failure reads like a peer's connection
+     closing (a node vanished under a collective) in a multi-node round, first wait for the
+     rendezvous to confirm a membership change, which spends nothing;
    - the membership changed (a node waits to join, a node was lost) -> stop, go to 1, free;
    - a handled signal -> forwarded to the workers at once; one grace period; exit 128+N.
 4. on final failure, the job-wide root-cause report, and the root-cause worker's exit code.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -236,6 +239,10 @@ class Agent:
     def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
         first = result.failures[0]
         what = f"rank {first.global_rank} (local rank {first.local_rank}) {first.describe_exit()}"
+        if info.num_nodes > 1 and any(_peer_lost(f) for f in result.failures):
+            reason = self._settle(rdzv, what)
+            if reason is not None:
+                return reason  # a membership change: no restart spent, no failure published
         rdzv.publish_failures([self._record(f) for f in result.failures])
         state, _ = rdzv.read_state()
         if state.restarts >= self.settings.max_restarts and state.round == info.round:
@@ -248,6 +255,27 @@ class Agent:
                 f"{self.settings.max_restarts}"
             )
         return rdzv.request_restart(f"worker failure on {self.host}: {what}", failure=True)
+
+    def _settle(self, rdzv: Rendezvous, what: str) -> str | None:
+        """A worker failed the way workers fail when a peer vanished (its connection closed):
+        wait for the rendezvous to tell a membership change (a lost node, a node joining,
+        another node moving the round on). Returns its reason, or None when none came within
+        twice the dead-node bound (plus one keep-alive interval): a real failure.
+
+        The worker usually sees the peer's sockets close well before the heartbeats can prove
+        the node dead; without this wait a lost node would spend a restart of the job's budget
+        on every survivor's first failure. A failure elsewhere moves the round on at once, so
+        the whole bound is waited only for a connection failure nobody else explains."""
+        bound = 2 * self.settings.dead_after + self.settings.keep_alive_interval
+        say(f"worker failure: {what} (a peer's connection closed); waiting up to {bound:g} s "
+            f"for the rendezvous to tell a lost node from a failure")
+        deadline = time.monotonic() + bound
+        while self._signal is None and time.monotonic() < deadline:
+            reason = rdzv.poll()
+            if reason is not None:
+                return reason
+            time.sleep(min(self.config.monitor_interval, self.settings.keep_alive_interval))
+        return None
 
     def _on_hang(self, rdzv: Rendezvous, hung: list[Hang]) -> str:
         """Some rank made no progress for --hang-timeout: collect every local rank's stack,
@@ -418,6 +446,16 @@ class Agent:
         self._group.stop(self.config.shutdown_timeout, death_sig=self._signal)
         self._group = None
         return 128 + self._signal
+
+
+# How a worker's failure reads when a peer process vanished under it: gloo and NCCL report the
+# closed connection; the failure is then a consequence of a membership change, not its cause.
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|ECONNRESET|"
+                        r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+
+
+def _peer_lost(failure: WorkerFailure) -> bool:
+    return bool(_PEER_LOST.search(failure.message) or _PEER_LOST.search(failure.traceback))
 
 
 def worker_env(

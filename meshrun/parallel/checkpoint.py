@@ -27,7 +27,9 @@ Typical use, on every rank (both calls are collectives over the default group)::
              "optim": checkpoint.optimizer_state(optimizer, model)}
     checkpoint.save(state, f"ckpt/step_{step}")
     ...
-    checkpoint.load(state, checkpoint.latest("ckpt"))   # in place; state["step"] is updated
+    path = checkpoint.latest("ckpt")
+    if path is not None:
+        checkpoint.load(state, path)   # in place; state["step"] is updated
 
 Mirrors ``torch.distributed.checkpoint.save`` / ``load`` with
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
@@ -36,9 +38,11 @@ Mirrors ``torch.distributed.checkpoint.save`` / ``load`` with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -46,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -90,8 +95,9 @@ def save(state: dict, path: str | os.PathLike) -> None:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
         os.makedirs(partial)
     _barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_SavePlanner(),
-             no_dist=not dist.is_initialized())
+    with _dcp_errors("save", path):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_SavePlanner(),
+                 no_dist=not dist.is_initialized())
     if _rank() == 0:
         old = path + ".old"
         if os.path.exists(path):
@@ -110,17 +116,27 @@ def load(state: dict, path: str | os.PathLike) -> None:
     parts of the saved tensors they cover, whatever layout saved them; other values in
     ``state`` are replaced by the saved ones.
 
+    Args:
+        state: as for `save`, built from the current model and optimizer.
+        path: a checkpoint directory (e.g. ``latest(directory)``, after checking it is not
+            None).
+
     Raises:
-        FileNotFoundError: no complete checkpoint at ``path``.
-        RuntimeError: ``state`` has a key the checkpoint lacks.
+        FileNotFoundError: ``path`` is None, or holds no complete checkpoint.
+        RuntimeError: ``state`` has a key the checkpoint lacks (the message names it).
         ValueError: a tensor's global shape differs from the saved one (another model).
+        OSError: a file could not be read.
     """
+    if path is None:
+        raise FileNotFoundError("checkpoint.load: no checkpoint path (latest() found none: "
+                                "start from scratch, or check the directory)")
     path = os.fspath(path)
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"checkpoint.load: no complete checkpoint at {path} (its "
                                 f".metadata file is missing)")
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(),
-             no_dist=not dist.is_initialized())
+    with _dcp_errors("load", path):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(),
+                 no_dist=not dist.is_initialized())
 
 
 def latest(directory: str | os.PathLike | None) -> str | None:
@@ -309,6 +325,22 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str, path: str):
+    """DCP gathers every rank's exception into a ``CheckpointException`` (a BaseException,
+    which ``except Exception`` misses); raise the first rank's own error type instead, and
+    keep DCP's single-process note ("torch.distributed is disabled ...") off the console."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    except CheckpointException as e:
+        rank, (error, _) = min(e.failures.items())
+        kind = type(error) if isinstance(error, (ValueError, RuntimeError, OSError)) \
+            else RuntimeError
+        raise kind(f"checkpoint.{what} {path}: rank {rank}: {error}") from e
 
 
 def _chunk(p: layout.Piece) -> ChunkStorageMetadata:

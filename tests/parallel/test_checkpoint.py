@@ -90,3 +90,23 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     assert torch.equal(state["w"], torch.arange(10.0)) and state["step"] == 1
     checkpoint.save({"w": torch.ones(3), "step": 2}, tmp_path / "step_2")  # clears the partial
     assert not partial.exists() and checkpoint.latest(tmp_path) == str(tmp_path / "step_2")
+
+
+@pytest.mark.timeout(60)
+def test_load_errors_are_the_documented_types(tmp_path):
+    import torch
+    from torch import nn
+
+    from meshrun.parallel import checkpoint
+
+    model = nn.Linear(7, 13)
+    checkpoint.save({"model": checkpoint.model_state(model), "step": 1}, tmp_path / "step_1")
+    with pytest.raises(ValueError, match=r"Size mismatch .*\[13, 7\].*\[14, 7\]"):
+        checkpoint.load({"model": checkpoint.model_state(nn.Linear(7, 14))}, tmp_path / "step_1")
+    with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: extra"):
+        checkpoint.load({"model": checkpoint.model_state(model), "extra": torch.zeros(2)},
+                        tmp_path / "step_1")
+    with pytest.raises(FileNotFoundError, match="latest"):
+        checkpoint.load({}, checkpoint.latest(tmp_path / "nothing here"))
+    with pytest.raises(FileNotFoundError, match="metadata"):
+        checkpoint.load({}, tmp_path)

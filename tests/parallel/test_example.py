@@ -69,7 +69,7 @@ def test_resume_in_one_process_from_two_ranks(tmp_path, torch_ddp_output, dp_mod
                           timeout=120)
     assert rest.returncode == 0, rest.stdout + rest.stderr
     assert "resumed from step 10" in rest.stdout and "global batch 8" in rest.stdout, rest.stdout
-    assert "1 ranks x 2 microbatches" in rest.stdout, rest.stdout
+    assert "1 data-parallel rank x 2 microbatches (accumulated)" in rest.stdout, rest.stdout
     assert final_loss(rest.stdout) == pytest.approx(final_loss(torch_ddp_output), abs=2e-4)
 
 
@@ -104,3 +104,12 @@ def test_sigterm_saves_a_checkpoint_within_the_grace(tmp_path):
     resumed = launch(EXAMPLE, 2, ("--steps", str(step + 1), "--batch-size", "4",
                                   "--checkpoint-dir", str(tmp_path)), timeout=120)
     assert f"resumed from step {step}" in resumed.output, resumed.output
+
+
+@pytest.mark.timeout(90)
+def test_bad_layout_is_one_line_and_exit_2():
+    run = launch(EXAMPLE, 2, ("--pp", "3", "--steps", "1"), timeout=60, check=False)
+    line = "train_char_lm.py: error: --pp 3 x --tp 1 = 3 must divide the world size 2"
+    assert run.returncode == 2, run.output
+    assert sum(line in text for text in run.output.splitlines()) >= 1, run.output
+    assert "Traceback" not in run.output, run.output

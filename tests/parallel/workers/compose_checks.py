@@ -134,19 +134,29 @@ def check_dp2_ddp(ctx):
 
 
 def check_refusals(ctx):
-    for argv, fragment in [
-        (["--pp", "2", "--tp", "2"], "--pp 2 x --tp 2 = 4 must divide the world size 2"),
-        (["--tp", "2", "--dp", "2"], "--pp 1 x --dp 2 x --tp 2 = 4 ranks, but the world size "
-                                     "is 2"),
-        (["--tp", "2", "--dp-mode", "torch-ddp"], "torch-ddp (torch's DistributedDataParallel"),
+    for flags, fragment in [
+        (dict(pp=2, tp=2), "--pp 2 x --tp 2 = 4 must divide the world size 2"),
+        (dict(tp=2, dp=2), "--pp 1 x --dp 2 x --tp 2 = 4 ranks, but the world size is 2"),
+        (dict(tp=2, dp_mode="torch-ddp"), "torch-ddp (torch's DistributedDataParallel"),
+        (dict(pp=2, pp_schedule="interleaved1f1b", dp=1),
+         "--pp 2: 2 pipeline ranks x 2 stages (interleaved) = 4 stages, but the model has"),
     ]:
+        args = lm.parse_args([])
+        vars(args).update(flags)
+        if flags.get("pp_schedule"):  # a model of 2 blocks: 4 stages do not fit
+            lm.N_LAYER, n_layer = 2, lm.N_LAYER
         try:
-            lm.parallelize_lm(lm.CharLM(VOCAB, T, n_layer=2, n_head=2, n_embd=16),
-                              lm.parse_args(argv))
-        except SystemExit as e:
-            assert fragment in str(e), f"{fragment!r} not in {e}"
-        else:
-            raise AssertionError(f"{argv}: no error")
+            problem = lm.layout_problem(args, ctx.world_size)
+            assert problem and fragment in problem, f"{fragment!r} not in {problem!r}"
+            try:  # parallelize_lm refuses too (it is also called without parse_args)
+                lm.parallelize_lm(lm.CharLM(VOCAB, T, n_layer=2, n_head=2, n_embd=16), args)
+            except SystemExit as e:
+                assert fragment in str(e), f"{fragment!r} not in {e}"
+            else:
+                raise AssertionError(f"{flags}: no error")
+        finally:
+            if flags.get("pp_schedule"):
+                lm.N_LAYER = n_layer
 
 
 # 4 ranks
