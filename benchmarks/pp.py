@@ -1,6 +1,6 @@
 """meshrun pipeline schedules vs torch.distributed.pipelining's schedules of the same name.
 
-    .venv/bin/python benchmarks/pp.py [--steps 10] [--warmup 3] [--rounds 2]
+    .venv/bin/python benchmarks/pp.py [--steps 10] [--warmup 3] [--rounds 2] [--batch 256]
 
 Same model, same split, same data, 2 ranks on gloo (CPU, one thread per rank), for GPipe,
 1F1B (2 stages) and interleaved 1F1B (4 stages, 2 per rank), m = 4 microbatches. The model
@@ -9,12 +9,34 @@ gets blocks [k s, k (s+1)) with the projections on the first and last stage.
 
 Every (schedule, library) run is a fresh pair of processes, so its peak RSS is its own; the
 libraries alternate (torch, meshrun, torch, ...) for ``--rounds`` rounds so drift on a shared
-machine hits both. Per step, after a barrier, each rank times ``schedule.step`` (ms/step is the
-median over rounds and timed steps of the slower rank) and the time its stages compute:
-forward and backward of each stage module are timed from inside (a wrapper module and two
-identity autograd functions at its input and output), identically for both libraries.
-Measured bubble = ``1 - sum_r busy_r / (p * step time)`` (median over steps), next to the
-formula ``(p - 1)/(v m + p - 1)``; the difference is communication, Python overhead and load.
+machine hits both. Per step, after a barrier, each rank times ``schedule.step`` and
+``opt.step()`` (ms/step: median over rounds and timed steps of the slower rank) and every
+forward and backward of its stage modules, timed from inside (a wrapper module and two
+identity autograd functions at its input and output), identically for both libraries. The
+k-th forward (backward) of a stage in a step is microbatch k's: both libraries run a stage's
+microbatches in order.
+
+Two bubbles, medians over steps, both from those compute times (busy_r: rank r's total):
+
+- ``bubble wall`` = ``1 - sum_r busy_r / (p * T)``, T the slower rank's ``schedule.step`` time
+  (the optimizer step is not part of the pipeline). Everything that is not stage compute
+  counts as bubble: idle time the schedule implies, but also each message's latency, Python
+  and autograd glue between stage calls, the loss, and load from other processes.
+- ``bubble sched`` = ``simulate(order, cost=measured)``: the same step replayed by
+  `meshrun.parallel.pipelining.simulate` with each action costing what it measured in this
+  step and communication free, on the action lists of the schedule (torch runs the same
+  ones: GPipe and interleaved 1F1B have identical ``pipeline_order`` tables; torch's 1F1B
+  runs the standard warm-up / 1F1B / cool-down). This is the bubble of the schedule itself,
+  including any imbalance between stages and between F and B; it is what the formula
+  ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs.
+
+``overhead`` = T minus the simulated makespan: ms per step on the critical path that is not
+stage compute (the two bubbles share busy_r, so ``bubble wall = 1 - (1 - bubble sched) *
+makespan / T`` exactly). On 2 CPU cores shared by 2 compute threads and 2 gloo I/O threads, a
+message costs about 0.05 ms when the receiver posted its buffer before the sender sent, but a
+gloo call or transfer that needs a thread which is not on a core can wait for a scheduler
+slice (milliseconds); a larger microbatch (``--batch``) makes compute longer against the same
+per-message costs. Run it on a quiet machine: other load counts as overhead too.
 """
 
 import argparse
@@ -55,54 +77,64 @@ class _BackwardStarts(torch.autograd.Function):
     """Identity at a stage's output; its backward is the first of the stage's backward."""
 
     @staticmethod
-    def forward(ctx, x, clock):
-        ctx.clock = clock
+    def forward(ctx, x, clock, stage):
+        ctx.clock, ctx.stage = clock, stage
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.backward_start.append(time.perf_counter())
-        return grad, None
+        ctx.clock.backward_start.setdefault(ctx.stage, []).append(time.perf_counter())
+        return grad, None, None
 
 
 class _BackwardEnds(torch.autograd.Function):
     """Identity at a stage's input; its backward is the last of the stage's backward."""
 
     @staticmethod
-    def forward(ctx, x, anchor, clock):
-        ctx.clock = clock
+    def forward(ctx, x, anchor, clock, stage):
+        ctx.clock, ctx.stage = clock, stage
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.backward_end.append(time.perf_counter())
-        return (grad if ctx.needs_input_grad[0] else None), torch.zeros(()), None
+        ctx.clock.backward_end.setdefault(ctx.stage, []).append(time.perf_counter())
+        return (grad if ctx.needs_input_grad[0] else None), torch.zeros(()), None, None
 
 
 class Clock:
+    """Per stage, this step's forward durations and backward start/end times, in call order."""
+
     def __init__(self):
-        self.forward_time, self.backward_start, self.backward_end = 0.0, [], []
+        self.forward, self.backward_start, self.backward_end = {}, {}, {}
+
+    def costs(self):
+        """[(stage, "F" or "B", microbatch, seconds)]: the k-th call of a stage is microbatch k."""
+        out = [(s, "F", k, d) for s, ds in self.forward.items() for k, d in enumerate(ds)]
+        for s, starts in self.backward_start.items():
+            ends = self.backward_end.get(s, [])
+            out += [(s, "B", k, e - b) for k, (b, e) in enumerate(zip(starts, ends, strict=True))]
+        return out
 
     def busy(self):
-        return self.forward_time + sum(self.backward_end) - sum(self.backward_start)
+        return sum(c[3] for c in self.costs())
 
     def reset(self):
         self.__init__()
 
 
 class Timed(nn.Module):
-    """Runs ``inner`` and records its forward and backward compute time in ``clock``."""
+    """Runs ``inner`` (stage ``stage``) and records its forward and backward times in ``clock``."""
 
-    def __init__(self, inner, clock):
+    def __init__(self, inner, clock, stage):
         super().__init__()
-        self.inner, self.clock = inner, clock
+        self.inner, self.clock, self.stage = inner, clock, stage
         self.anchor = torch.zeros((), requires_grad=True)  # makes the stage-0 input "need" grad
 
     def forward(self, x):
         t0 = time.perf_counter()
-        x = _BackwardEnds.apply(x, self.anchor, self.clock)
-        y = _BackwardStarts.apply(self.inner(x), self.clock)
-        self.clock.forward_time += time.perf_counter() - t0
+        x = _BackwardEnds.apply(x, self.anchor, self.clock, self.stage)
+        y = _BackwardStarts.apply(self.inner(x), self.clock, self.stage)
+        self.clock.forward.setdefault(self.stage, []).append(time.perf_counter() - t0)
         return y
 
 
@@ -137,13 +169,13 @@ def build(lib, name, rank, clock):
         stages = []
         for s in mine:
             example = torch.empty(mb, 256 if s == 0 else WIDTH)
-            stages.append(pl.PipelineStage(Timed(modules[s], clock), s, n_stages,
+            stages.append(pl.PipelineStage(Timed(modules[s], clock, s), s, n_stages,
                                            torch.device("cpu"), input_args=(example,)))
         cls = getattr(pl, cls_name)
     else:
         import meshrun.parallel.pipelining as mp_pipeline
 
-        stages = [mp_pipeline.PipelineStage(Timed(modules[s], clock), s, n_stages)
+        stages = [mp_pipeline.PipelineStage(Timed(modules[s], clock, s), s, n_stages)
                   for s in mine]
         cls = getattr(mp_pipeline, cls_name)
     params = [p for s in mine for p in modules[s].parameters()]
@@ -152,7 +184,9 @@ def build(lib, name, rank, clock):
     return cls(stages, N_MICRO, loss_fn=loss_fn), params
 
 
-def worker(rank, lib, name, port, steps, warmup, out_dir):
+def worker(rank, lib, name, port, steps, warmup, out_dir, batch=BATCH):
+    global BATCH
+    BATCH = batch
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(P))
     torch.set_num_threads(1)
@@ -161,7 +195,7 @@ def worker(rank, lib, name, port, steps, warmup, out_dir):
     schedule, params = build(lib, name, rank, clock)
     opt = torch.optim.SGD(params, lr=1e-4)
     g = torch.Generator().manual_seed(0)
-    times, busy = [], []
+    times, pipe, costs = [], [], []
     for _ in range(warmup + steps):
         x, y = torch.randn(BATCH, 256, generator=g), torch.randn(BATCH, 16, generator=g)
         dist.barrier()
@@ -169,20 +203,49 @@ def worker(rank, lib, name, port, steps, warmup, out_dir):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         schedule.step(x, target=y)
+        t1 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-        busy.append(clock.busy())
+        pipe.append(t1 - t0)
+        costs.append(clock.costs())
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"times": times[warmup:], "busy": busy[warmup:], "rss_mib": rss_mib}))
+        {"times": times[warmup:], "pipe": pipe[warmup:], "costs": costs[warmup:],
+         "rss_mib": rss_mib}))
     dist.destroy_process_group()
 
 
 
-def run(lib, name, steps, warmup):
+def run(lib, name, steps, warmup, batch):
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(lib, name, free_port(), steps, warmup, out), nprocs=P)
+        mp.spawn(worker, args=(lib, name, free_port(), steps, warmup, out, batch), nprocs=P)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(P)]
+
+
+def order_of(name):
+    from meshrun.parallel.pipelining import gpipe_order, interleaved_1f1b_order, one_f_one_b_order
+
+    v = SCHEDULES[name][0]
+    if name == "GPipe":
+        return gpipe_order(P, N_MICRO), P
+    if name == "1F1B":
+        return one_f_one_b_order(P, N_MICRO), P
+    return interleaved_1f1b_order(P, N_MICRO, v), P * v
+
+
+def schedule_bubble(name, ranks, i):
+    """(bubble, makespan) of step i replayed by `simulate` with its measured action costs."""
+    from meshrun.parallel.pipelining import simulate
+
+    order, n_stages = order_of(name)
+    cost = {(s, kind, m): d for r in ranks for s, kind, m, d in r["costs"][i]}
+    expected = {(a.stage, a.kind, a.microbatch) for actions in order.values() for a in actions}
+    if set(cost) != expected:
+        raise RuntimeError(f"{name}: step {i} timed {len(cost)} stage calls, expected "
+                           f"{len(expected)} (one forward and one backward per stage and "
+                           f"microbatch)")
+    sim = simulate(order, n_stages, cost=lambda a: cost[(a.stage, a.kind, a.microbatch)])
+    return sim.bubble_fraction, sim.makespan
 
 
 def main():
@@ -191,32 +254,42 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="runs per library, alternating")
     p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    p.add_argument("--batch", type=int, default=BATCH,
+                   help=f"batch size, split into {N_MICRO} microbatches (default {BATCH})")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    print(f"2 ranks, gloo, m={N_MICRO} microbatches of {BATCH // N_MICRO} x 256 -> "
+    print(f"2 ranks, gloo, m={N_MICRO} microbatches of {args.batch // N_MICRO} x 256 -> "
           f"{N_BLOCKS} blocks of {WIDTH} -> 16; load average {os.getloadavg()[0]:.1f}\n")
-    print("| schedule | library | ms/step | peak RSS MiB | bubble measured | bubble formula |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| schedule | library | ms/step | peak RSS MiB | bubble wall | bubble sched | "
+          "bubble formula | overhead ms/step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.schedules:
         v = SCHEDULES[name][0]
         times = {lib: [] for lib in LIBS}
-        bubbles = {lib: [] for lib in LIBS}
+        walls = {lib: [] for lib in LIBS}
+        scheds = {lib: [] for lib in LIBS}
+        overheads = {lib: [] for lib in LIBS}
         rss = {lib: 0.0 for lib in LIBS}
         for _ in range(args.rounds):
             for lib in LIBS:
-                ranks = run(lib, name, args.steps, args.warmup)
+                ranks = run(lib, name, args.steps, args.warmup, args.batch)
                 for i in range(args.steps):
-                    step = max(r["times"][i] for r in ranks)
-                    times[lib].append(step)
-                    bubbles[lib].append(1 - sum(r["busy"][i] for r in ranks) / (P * step))
+                    times[lib].append(max(r["times"][i] for r in ranks))
+                    pipe = max(r["pipe"][i] for r in ranks)
+                    busy = sum(c[3] for r in ranks for c in r["costs"][i])
+                    walls[lib].append(1 - busy / (P * pipe))
+                    bubble, makespan = schedule_bubble(name, ranks, i)
+                    scheds[lib].append(bubble)
+                    overheads[lib].append(pipe - makespan)
                 rss[lib] = max(rss[lib], *(r["rss_mib"] for r in ranks))
         formula = (P - 1) / (v * N_MICRO + P - 1)
         ms = {lib: 1000 * statistics.median(times[lib]) for lib in LIBS}
         for lib in LIBS:
             print(f"| {name} | {lib} | {ms[lib]:.1f} | {rss[lib]:.0f} | "
-                  f"{statistics.median(bubbles[lib]):.3f} | {formula:.3f} |")
+                  f"{statistics.median(walls[lib]):.3f} | {statistics.median(scheds[lib]):.3f} | "
+                  f"{formula:.3f} | {1000 * statistics.median(overheads[lib]):.1f} |")
         print(f"| {name} | ratio meshrun/torch | {ms['meshrun'] / ms['torch']:.3f}x | "
-              f"{rss['meshrun'] / rss['torch']:.3f}x | | |")
+              f"{rss['meshrun'] / rss['torch']:.3f}x | | | | |")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from harness import launch
 
 CHECKS = ["check_gpipe", "check_1f1b", "check_1f1b_many_microbatches", "check_interleaved",
           "check_interleaved_eight_stages", "check_custom_order", "check_eval",
-          "check_tuple_and_int_tensors", "check_scale_grads_false"]
+          "check_tuple_and_int_tensors", "check_scale_grads_false",
+          "check_shapes_change_between_steps"]
 DP_CHECKS = ["check_pp_dp_parity", "check_sync_once_per_step"]
 
 

@@ -44,9 +44,9 @@ def make_model(n_blocks):
     return nn.Sequential(first, *blocks, last), first, blocks, last
 
 
-def data(step):
+def data(step, batch=BATCH):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+    return torch.randn(batch, IN, generator=g), torch.randn(batch, OUT, generator=g)
 
 
 def mse(out, y):
@@ -61,14 +61,17 @@ def local_params(schedule):
     return {id(p) for st in schedule.stages for p in st.submodule.parameters()}
 
 
-def parity(schedule, full, ref, rank, steps=STEPS):
-    """Step the pipeline and the reference side by side; compare everything local."""
+def parity(schedule, full, ref, rank, steps=STEPS, batches=None, between=None):
+    """Step the pipeline and the reference side by side; compare everything local.
+
+    ``batches``: the batch size of each step (default BATCH for ``steps`` steps);
+    ``between(step)``: called after each step (e.g. an eval with other shapes)."""
     mine = local_params(schedule)
     opt = torch.optim.SGD([p for p in full.parameters() if id(p) in mine], lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     holds_last = any(st.is_last for st in schedule.stages)
-    for step in range(steps):
-        x, y = data(step)
+    for step, batch in enumerate(batches or [BATCH] * steps):
+        x, y = data(step, batch)
         opt.zero_grad()
         losses = []
         out = schedule.step(x, target=y, losses=losses)
@@ -97,6 +100,8 @@ def parity(schedule, full, ref, rank, steps=STEPS):
                                      strict=True):
             if id(p) in mine:
                 close(p.detach(), q.detach(), f"step {step} param {name}")
+        if between is not None:
+            between(step)
 
 
 def build(n_stages, rank, world, schedule_cls, n_microbatches, n_blocks=4):
@@ -165,6 +170,28 @@ def check_eval(ctx):
         assert out is None
 
 
+def check_shapes_change_between_steps(ctx):
+    """From the second step on a stage posts microbatch 0's payload with the last step's
+    shapes; batches of other sizes (and an eval with yet another size between steps) must
+    still give the reference's gradients, outputs and eval losses."""
+    schedule, full, ref = build(4, ctx.rank, 2, ScheduleInterleaved1F1B, 2)
+
+    def evaluate(step):
+        x, y = data(50 + step, 6 if step % 2 else 10)
+        losses = []
+        out = schedule.eval(x, target=y, losses=losses)
+        if ctx.rank == 1:  # holds the last stage (3)
+            with torch.no_grad():
+                ref_out = ref(x)
+            half = x.shape[0] // 2
+            close(out, ref_out, f"eval after step {step}: output")
+            close(torch.stack(losses), torch.stack([mse(ref_out[:half], y[:half]),
+                                                    mse(ref_out[half:], y[half:])]),
+                  f"eval after step {step}: losses")
+
+    parity(schedule, full, ref, ctx.rank, batches=[8, 8, 4, 4, 12, 8], between=evaluate)
+
+
 class First(nn.Module):
     """Returns a float activation and an integer mask: a tuple crosses the stage boundary."""
 
@@ -199,7 +226,7 @@ def check_tuple_and_int_tensors(ctx):
         def forward(self, x):
             return self.pair[1](*self.pair[0](x))
 
-    parity(schedule, full, Ref(ref), ctx.rank)
+    parity(schedule, full, Ref(ref), ctx.rank, batches=[8, 8, 4])  # a float and an int change
 
 
 def check_scale_grads_false(ctx):
@@ -221,7 +248,7 @@ def check_scale_grads_false(ctx):
 
 CHECKS = [check_gpipe, check_1f1b, check_1f1b_many_microbatches, check_interleaved,
           check_interleaved_eight_stages, check_custom_order, check_eval,
-          check_tuple_and_int_tensors, check_scale_grads_false]
+          check_tuple_and_int_tensors, check_scale_grads_false, check_shapes_change_between_steps]
 
 
 def main():
