@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+from pathlib import Path
+
+import psutil
 
 
 def free_port() -> int:
@@ -10,6 +16,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, listed first, then killed at once (a whole node
+    going away, or a benchmark round's cleanup)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def stop_round(popens: list[subprocess.Popen], tag_env: str, tag: str, directory: Path) -> None:
+    """End a benchmark round: kill the launchers' trees, then any stray process whose
+    environment carries ``tag_env=tag`` (workers a launcher left behind), reap the launchers,
+    and remove the round's directory."""
+    for popen in popens:
+        kill_tree(popen.pid)
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(tag_env) == tag:
+                p.kill()
+        except (psutil.Error, OSError):
+            pass
+    for popen in popens:
+        try:
+            popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def make_char_lm():

@@ -59,7 +59,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -71,10 +70,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path[:0] = [str(HERE)]
+from _common import free_port, kill_tree, stop_round  # noqa: E402 - beside this file
+
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 TAG_ENV = "MESHRUN_BENCH_ELASTIC_TAG"  # marks every process a round started, to clean up
 LAUNCHERS = ("meshrun", "torchrun")
@@ -102,29 +102,9 @@ def _pump(popen: subprocess.Popen, lines: list[tuple[float, str]]) -> None:
         lines.append((time.monotonic(), line.rstrip("\n")))
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant, listed first, then killed at once."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout: float, step: float = 0.02):
@@ -144,7 +124,7 @@ class Round:
         self.dir = Path(tempfile.mkdtemp(prefix=f"elastic_{launcher}_"))
         self.ckpt = self.dir / "ckpt"
         self.tag = uuid.uuid4().hex
-        self.port = _free_port()
+        self.port = free_port()
         self.agents: list[Agent] = []
         self.t_start, self.t_kill = time.monotonic(), None
 
@@ -173,20 +153,7 @@ class Round:
         return agent
 
     def cleanup(self) -> None:
-        for agent in self.agents:
-            _kill_tree(agent.popen.pid)
-        for p in psutil.process_iter():  # strays (re-parented workers), by our tag only
-            try:
-                if p.pid != os.getpid() and p.environ().get(TAG_ENV) == self.tag:
-                    p.kill()
-            except (psutil.Error, OSError):
-                pass
-        for agent in self.agents:
-            try:
-                agent.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        stop_round([agent.popen for agent in self.agents], TAG_ENV, self.tag, self.dir)
 
     def log(self) -> str:
         """Both agents' lines, each with its arrival time in seconds after the kill."""
@@ -230,7 +197,7 @@ def measure_recovery(launcher: str, args: argparse.Namespace) -> Recovery:
             return Recovery(None, note=f"no two-node round with step_{KILL_AT} within "
                                        f"{args.setup_cap:g} s")
         t_kill = rnd.t_kill = time.monotonic()
-        _kill_tree(victim.popen.pid)  # the whole node at once: agent and every descendant
+        kill_tree(victim.popen.pid)  # the whole node at once: agent and every descendant
 
         def recovered():
             resumed = None
@@ -492,7 +459,7 @@ def part2(args: argparse.Namespace) -> None:
         wargs = {"width": args.ckpt_width, "layers": args.ckpt_layers,
                  "rounds": args.ckpt_rounds, "warmup": args.ckpt_warmup,
                  "verbose": args.verbose}
-        mp.spawn(ckpt_worker, args=(_free_port(), wargs, base, out), nprocs=2)
+        mp.spawn(ckpt_worker, args=(free_port(), wargs, base, out), nprocs=2)
         res = json.loads(Path(out).read_text())
     finally:
         shutil.rmtree(base, ignore_errors=True)

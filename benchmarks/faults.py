@@ -36,7 +36,6 @@ import argparse
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import statistics
@@ -49,10 +48,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path[:0] = [str(HERE)]
+from _common import free_port, kill_tree, stop_round  # noqa: E402 - beside this file
+
 WORKER = HERE / "_faults_worker.py"
 TAG_ENV = "MESHRUN_BENCH_FAULTS_TAG"
 ROWS = ["raise", "exit", "sigkill", "segv", "hang", "node-loss", "node-join", "agent-sigterm"]
@@ -80,7 +80,7 @@ class Run:
         self.dir = Path(tempfile.mkdtemp(prefix=f"faults_{launcher}_{row}_"))
         self.tag = uuid.uuid4().hex
         self.procs: list[Proc] = []
-        self.port = _free_port()
+        self.port = free_port()
 
     def env(self) -> dict[str, str]:
         env = {
@@ -126,20 +126,7 @@ class Run:
         return proc
 
     def cleanup(self) -> None:
-        for proc in self.procs:
-            _kill_tree(proc.popen.pid)
-        for p in psutil.process_iter():  # strays (torchrun's orphans), by our tag only
-            try:
-                if p.environ().get(TAG_ENV) == self.tag:
-                    p.kill()
-            except (psutil.Error, OSError):
-                pass
-        for proc in self.procs:
-            try:
-                proc.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        stop_round([proc.popen for proc in self.procs], TAG_ENV, self.tag, self.dir)
 
     def log(self) -> str:
         return "\n".join(f"--- proc {i} ---\n" + "".join(p.lines) for i, p in enumerate(self.procs))
@@ -148,24 +135,6 @@ class Run:
 def _pump(popen: subprocess.Popen, lines: list[str]) -> None:
     for line in popen.stdout:
         lines.append(line)
-
-
-def _kill_tree(pid: int) -> None:
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout: float):
@@ -216,7 +185,7 @@ def measure(launcher: str, row: str, args) -> tuple[float | None, float, str]:
                 return None, cap, "never ran with 2 nodes"
             time.sleep(0.5)
             t_kill = time.time()
-            _kill_tree(n1.popen.pid)  # the whole node at once: agent and every descendant
+            kill_tree(n1.popen.pid)  # the whole node at once: agent and every descendant
             back = _wait(lambda: n0.find(
                 START_RE, lambda m: m.group(3) == "1" and float(m.group(4)) > t_kill), cap)  # fmt: skip
             return (float(back[0].group(4)) - t_kill if back else None), cap, ""

@@ -90,45 +90,39 @@ def build(args):
     return model, params, torch.optim.AdamW(params, lr=1e-3)
 
 
-def fill(model, params, optimizer, value):
-    """Every held block := value(name) of the global tensor (value None: zeros)."""
+def held_blocks(model, params, optimizer):
+    """(name, global shape, block view) of every parameter and Adam state block held here."""
     held = {id(p) for p in params}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if id(p) not in held:
-                continue
-            tensors = {name: p, **{f"{name}.{k}": v for k, v in optimizer.state[p].items()
-                                   if v.dim()}}
-            for key, t in tensors.items():
-                full = value(key, layout.global_shape(p)) if value else None
-                for piece in layout.pieces(p):
-                    block = piece.view(t)
-                    if full is None:
-                        block.zero_()
-                    else:
-                        block.copy_(full[piece.region])
-            for v in optimizer.state[p].values():
-                if not v.dim():
-                    v.fill_(7.0 if value else 0.0)  # Adam's step
-
-
-def mismatches(model, params, optimizer) -> list[str]:
-    held = {id(p) for p in params}
-    bad = []
     for name, p in model.named_parameters():
         if id(p) not in held:
             continue
         tensors = {name: p, **{f"{name}.{k}": v for k, v in optimizer.state[p].items()
                                if v.dim()}}
         for key, t in tensors.items():
-            full = reference(key, layout.global_shape(p))
             for piece in layout.pieces(p):
-                want = full[piece.region]
-                if not torch.equal(piece.view(t).detach(), want):
-                    bad.append(f"{key} block at {piece.offsets}")
-        steps = [float(v) for v in optimizer.state[p].values() if not v.dim()]
-        if steps != [7.0]:
-            bad.append(f"{name} step {steps}")
+                yield key, layout.global_shape(p), piece, piece.view(t)
+
+
+def adam_steps(optimizer, params):
+    return [v for p in params for v in optimizer.state[p].values() if not v.dim()]
+
+
+def fill(model, params, optimizer, value):
+    """Every held block := value(name) of the global tensor (value None: zeros)."""
+    with torch.no_grad():
+        for key, shape, piece, block in held_blocks(model, params, optimizer):
+            block.copy_(value(key, shape)[piece.region] if value else torch.zeros_like(block))
+        for step in adam_steps(optimizer, params):
+            step.fill_(7.0 if value else 0.0)
+
+
+def mismatches(model, params, optimizer) -> list[str]:
+    bad = [f"{key} block at {piece.offsets}"
+           for key, shape, piece, block in held_blocks(model, params, optimizer)
+           if not torch.equal(block.detach(), reference(key, shape)[piece.region])]
+    steps = [float(v) for v in adam_steps(optimizer, params)]
+    if any(s != 7.0 for s in steps):
+        bad.append(f"Adam steps {steps}")
     return bad
 
 
