@@ -16,6 +16,7 @@ from meshrun.parallel.pipelining import (
     ScheduleError,
     ScheduleInterleaved1F1B,
     bubble_formula,
+    check_no_shared_parameters,
     forward_only,
     gpipe_order,
     interleaved_1f1b_order,
@@ -253,3 +254,16 @@ def test_runtime_errors_name_the_problem():
         Schedule1F1B(stage, 4, mse)
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         pipeline([nn.Linear(2, 2)], schedule="zb", n_microbatches=1)
+
+
+def test_a_parameter_tied_across_pipeline_ranks_is_refused():
+    emb, head = nn.Embedding(11, 4), nn.Linear(4, 11, bias=False)
+    head.weight = emb.weight  # tied input and output embeddings
+    blocks = [nn.Linear(4, 4) for _ in range(4)]
+    stages = split_into_stages(blocks, 2, first=emb, last=head)
+    with pytest.raises(ValueError, match=r"'first.weight' of stage 0 is also 'last.weight' of "
+                                         r"stage 1.*Untie them"):
+        check_no_shared_parameters(stages, num_ranks=2)
+    check_no_shared_parameters(stages, num_ranks=1)  # both stages on one rank: one copy
+    head.weight = nn.Parameter(emb.weight.detach().clone())  # untied
+    check_no_shared_parameters(split_into_stages(blocks, 2, first=emb, last=head), 2)

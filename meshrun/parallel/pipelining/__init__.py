@@ -22,6 +22,7 @@ from meshrun.parallel.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    check_no_shared_parameters,
     pipeline,
 )
 from meshrun.parallel.pipelining.simulate import Simulation, bubble_formula, simulate
@@ -30,6 +31,6 @@ from meshrun.parallel.pipelining.validate import ScheduleError, validate_schedul
 
 __all__ = ["Action", "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleError",
            "ScheduleGPipe", "ScheduleInterleaved1F1B", "Simulation", "StageModule",
-           "bubble_formula", "format_order", "forward_only", "gpipe_order",
+           "bubble_formula", "check_no_shared_parameters", "format_order", "forward_only", "gpipe_order",
            "interleaved_1f1b_order", "one_f_one_b_order", "parse_order", "pipeline",
            "simulate", "split_into_stages", "validate_schedule"]

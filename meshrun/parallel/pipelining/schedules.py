@@ -114,8 +114,10 @@ def pipeline(stage_modules: Sequence[nn.Module], group: dist.ProcessGroup | None
         parameters to the optimizer).
 
     Raises:
-        ValueError: unknown schedule name, or a stage count the schedule cannot place
-            (GPipe and 1F1B: one stage per rank; interleaved: a multiple of the group size).
+        ValueError: unknown schedule name, a stage count the schedule cannot place
+            (GPipe and 1F1B: one stage per rank; interleaved: a multiple of the group size),
+            or a parameter shared by stages on different ranks (see
+            `check_no_shared_parameters`).
     """
     name = schedule.lower().replace("_", "").replace("-", "")
     if name not in SCHEDULES:
@@ -127,6 +129,7 @@ def pipeline(stage_modules: Sequence[nn.Module], group: dist.ProcessGroup | None
     if num_stages % size:
         raise ValueError(f"pipeline: {num_stages} stages cannot be placed on {size} pipeline "
                          f"ranks (need a multiple)")
+    check_no_shared_parameters(stage_modules, size)
     stages = [PipelineStage(stage_modules[s], s, num_stages, group, device=device)
               for s in range(rank, num_stages, size)]
     if name == "interleaved1f1b":
@@ -136,6 +139,30 @@ def pipeline(stage_modules: Sequence[nn.Module], group: dist.ProcessGroup | None
                          f"are {num_stages} stages on {size} ranks; use 'interleaved1f1b' or "
                          f"{size} stages")
     return SCHEDULES[name](stages[0], n_microbatches, loss_fn)
+
+
+def check_no_shared_parameters(stage_modules: Sequence[nn.Module], num_ranks: int) -> None:
+    """Refuse a parameter that stages on different pipeline ranks share.
+
+    Each rank would train its own copy and the copies would drift apart silently. The usual
+    case is an input embedding tied to the output layer (first and last stage). Keeping such
+    a pair tied would need their gradients summed across the two ranks every step, which
+    meshrun's pipeline does not do yet; untie them (give the output layer its own weight)
+    or keep both stages on one rank. Stage ``s`` runs on rank ``s % num_ranks``.
+
+    Raises:
+        ValueError: naming both places of the first shared parameter found.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    for s, module in enumerate(stage_modules):
+        for name, p in module.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (s, name))
+            if first[0] % num_ranks != s % num_ranks:
+                raise ValueError(
+                    f"pipeline: parameter {first[1]!r} of stage {first[0]} is also {name!r} of "
+                    f"stage {s}, on another pipeline rank; each rank would train its own copy. "
+                    f"Untie them (e.g. give the output layer its own weight) or place both "
+                    f"stages on one rank")
 
 
 def _one_stage_per_rank(stage: PipelineStage, name: str) -> None:
