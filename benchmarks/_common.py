@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -16,6 +20,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(nprocs: int, worker: Callable, make_args: Callable[[int, str], tuple]
+                ) -> list[dict]:
+    """Run ``worker(rank, *make_args(port, out_dir))`` on ``nprocs`` spawned processes (a
+    fresh gloo group on a free port) and return what each rank wrote with `report_rank`."""
+    with tempfile.TemporaryDirectory() as out:
+        import torch.multiprocessing as mp
+
+        mp.spawn(worker, args=make_args(free_port(), out), nprocs=nprocs)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def report_rank(out_dir: str, rank: int, result: dict) -> None:
+    """Worker side of `spawn_ranks`: write ``result`` plus this process's peak RSS (``rss_mib``,
+    ``ru_maxrss`` in MiB)."""
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({**result, "rss_mib": rss_mib}))
 
 
 def kill_tree(pid: int) -> None:

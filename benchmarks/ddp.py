@@ -13,23 +13,19 @@ CharLM at its default size (batch 16 x 64 tokens per rank).
 """
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
-from _common import free_port, make_char_lm  # noqa: E402 - beside this file
+from _common import make_char_lm, report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 MODES = ("torch", "meshrun")
 
@@ -75,18 +71,14 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
         loss_fn(model, x, y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     n_params = sum(p.numel() for p in model.parameters())
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"times": times[warmup:], "rss_mib": rss_mib, "params": n_params}))
+    report_rank(out_dir, rank, {"times": times[warmup:], "params": n_params})
     dist.destroy_process_group()
 
 
 
 def run(model_name, mode, steps, warmup):
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(model_name, mode, free_port(), steps, warmup, out), nprocs=2)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out))
 
 
 def main():

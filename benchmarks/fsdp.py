@@ -29,24 +29,20 @@ per rank) and examples/train_char_lm.py's CharLM at its default size (batch 16 x
 """
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
-from _common import free_port, make_char_lm  # noqa: E402 - beside this file
+from _common import make_char_lm, report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 MODES = ("torch-fsdp2", "meshrun-fsdp", "meshrun-ddp")
 MiB = 2 ** 20
@@ -153,18 +149,15 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
         loss_fn(model, x, y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"times": times[warmup:], "rss_mib": rss_mib, "params": n_params,
-         "state_mib": state_bytes(model, opt) / MiB, "unit_mib": unit_bytes / MiB}))
+    report_rank(out_dir, rank, {"times": times[warmup:], "params": n_params,
+                                "state_mib": state_bytes(model, opt) / MiB,
+                                "unit_mib": unit_bytes / MiB})
     dist.destroy_process_group()
 
 
 
 def run(model_name, mode, steps, warmup):
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(model_name, mode, free_port(), steps, warmup, out), nprocs=2)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out))
 
 
 def main():

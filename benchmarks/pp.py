@@ -40,23 +40,19 @@ per-message costs. Run it on a quiet machine: other load counts as overhead too.
 """
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
-from _common import free_port  # noqa: E402 - beside this file
+from _common import report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 LIBS = ("torch", "meshrun")
 SCHEDULES = {"GPipe": (1, "ScheduleGPipe"), "1F1B": (1, "Schedule1F1B"),
@@ -208,18 +204,14 @@ def worker(rank, lib, name, port, steps, warmup, out_dir, batch=BATCH):
         times.append(time.perf_counter() - t0)
         pipe.append(t1 - t0)
         costs.append(clock.costs())
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"times": times[warmup:], "pipe": pipe[warmup:], "costs": costs[warmup:],
-         "rss_mib": rss_mib}))
+    report_rank(out_dir, rank, {"times": times[warmup:], "pipe": pipe[warmup:],
+                                "costs": costs[warmup:]})
     dist.destroy_process_group()
 
 
 
 def run(lib, name, steps, warmup, batch):
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(lib, name, free_port(), steps, warmup, out, batch), nprocs=P)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(P)]
+    return spawn_ranks(P, worker, lambda port, out: (lib, name, port, steps, warmup, out, batch))
 
 
 def order_of(name):

@@ -18,22 +18,18 @@ alternate for ``--rounds`` rounds so drift on a shared machine hits both.
 """
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
-from _common import free_port  # noqa: E402 - beside this file
+from _common import report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 N_EMBD, N_HEAD, BATCH, SEQ = 256, 8, 8, 128
 FRAMEWORKS = ("dtensor", "meshrun")
@@ -117,10 +113,8 @@ def worker(rank, framework, sp, port, steps, warmup, out_dir):
             first_loss = total_of(loss)
     saved = activation_bytes(block, batch(0))
     assert batch(0).shape[1] == seq
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"times": times[warmup:], "rss_mib": rss_mib, "act_mib": saved / 2**20,
-         "loss0": first_loss}))
+    report_rank(out_dir, rank, {"times": times[warmup:], "act_mib": saved / 2**20,
+                                "loss0": first_loss})
     dist.destroy_process_group()
 
 
@@ -148,9 +142,7 @@ def activation_bytes(block, x) -> int:
 
 
 def run(framework, sp, steps, warmup):
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(framework, sp, free_port(), steps, warmup, out), nprocs=2)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_ranks(2, worker, lambda port, out: (framework, sp, port, steps, warmup, out))
 
 
 def main():

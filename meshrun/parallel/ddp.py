@@ -35,11 +35,10 @@ Accelerating Data Parallel Training", VLDB 2020):
   backward, right after its copy into the bucket. Under glibc malloc (whose mmap threshold
   rises to the size of the first such block freed, up to 32 MiB) gradient-sized blocks then
   come from the heap, later allocations of the same backward land in the holes they leave,
-  and the freed heap stays resident. Measured on benchmarks/ddp.py's 10.5M-param MLP (peak
-  RSS per run, max of 2 ranks): views 459..476 MiB, torch's default DDP 440..458, torch with
-  ``gradient_as_bucket_view=True`` up to 456, this design 405..435 (views: 390 with
-  ``MALLOC_MMAP_THRESHOLD_`` fixed, i.e. the allocator, not live tensors). Even freeing
-  8 KiB bias gradients mid-backward costs 10..30 MiB there, so none is freed.
+  and the freed heap stays resident: on benchmarks/ddp.py's MLP that design's peak RSS was
+  above torch's default DDP, and dropped below it once ``MALLOC_MMAP_THRESHOLD_`` was fixed
+  (the allocator, not live tensors). Small gradients freed mid-backward fragment the heap
+  too, so none is freed. The benchmark's table in the README has this design's numbers.
 - Rebuild: after the first synchronised backward, the buckets are rebuilt once in the order
   gradients actually arrived on rank 0 (broadcast, so every rank agrees).
 - Buffers (``broadcast_buffers=True``): before each forward with grad enabled and outside

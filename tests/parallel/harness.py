@@ -86,6 +86,19 @@ def launch(script: str | Path, nproc: int = 2, args: tuple[str, ...] = (), *,
     return Launch(proc.returncode, output, results)
 
 
+def run_one_process(script: str | Path, args: tuple[str, ...] = (), *, timeout: float = 120
+                    ) -> subprocess.CompletedProcess:
+    """Run ``script`` as plain ``python`` (no launcher, none of the torchrun environment: a
+    world of one); raises AssertionError with the output when it exits non-zero."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, str(script), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 def run_checks(checks, before_each=None) -> None:
     """Worker side: run each check (a function of the `ParallelContext`) on every rank, record
     "ok" or the traceback under its name, keep the ranks in step between checks (a failed check

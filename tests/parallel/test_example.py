@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import REPO, launch, launcher_name
+from harness import REPO, launch, launcher_name, run_one_process
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 ARGS = ("--steps", "20", "--batch-size", "4", "--log-every", "5")
@@ -61,13 +61,7 @@ def test_resume_in_one_process_from_two_ranks(tmp_path, torch_ddp_output, dp_mod
                                 "--checkpoint-every", "5", "--fail-at-step", "12"),
                    timeout=120, check=False)
     assert first.returncode != 0 and (tmp_path / "step_10").is_dir(), first.output
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    rest = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--checkpoint-dir",
-                           str(tmp_path)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert rest.returncode == 0, rest.stdout + rest.stderr
+    rest = run_one_process(EXAMPLE, (*ARGS, "--checkpoint-dir", str(tmp_path)))
     assert "resumed from step 10" in rest.stdout and "global batch 8" in rest.stdout, rest.stdout
     assert "1 data-parallel rank x 2 microbatches (accumulated)" in rest.stdout, rest.stdout
     assert final_loss(rest.stdout) == pytest.approx(final_loss(torch_ddp_output), abs=2e-4)

@@ -5,13 +5,10 @@ data-parallel rank, so a plain one-process run sees the same batches. Microbatch
 mean-reduced loss must not change the loss the script prints.
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
-from harness import REPO, launch
+from harness import REPO, launch, run_one_process
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 ARGS = ("--steps", "5", "--batch-size", "8", "--log-every", "5")
@@ -25,13 +22,7 @@ def final_loss(output):
 
 @pytest.fixture(scope="module")
 def unsplit_loss():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, str(EXAMPLE), *ARGS], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return final_loss(done.stdout)
+    return final_loss(run_one_process(EXAMPLE, ARGS).stdout)
 
 
 @pytest.mark.timeout(200)

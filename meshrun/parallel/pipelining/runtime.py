@@ -32,9 +32,8 @@ Point-to-point (c10d ``isend``/``irecv``, one tag per message so gloo matches by
   then writes the payload at once from the sending thread, instead of waiting for the
   receiver's request to reach the sender's communication thread (which, on CPUs busy
   computing, waits for a core). The cost: up to ``RECV_AHEAD`` receive buffers (one
-  microbatch's boundary tensors each) allocated ahead. Measured on benchmarks/pp.py's model
-  (2 ranks, 2 cores): interleaved 1F1B steps 5-10 % faster than with one action ahead; 1F1B
-  unchanged.
+  microbatch's boundary tensors each) allocated ahead. It matters most for interleaved 1F1B,
+  which sends twice as many messages (benchmarks/pp.py reports the per-step overhead).
 - Shapes: the first activation a stage receives in a step is preceded by a small int64 header
   (count, dtype, shape of each tensor), so the receiver allocates the right buffer; the later
   microbatches of the step must have the same shapes (checked by the sender: a different shape
@@ -47,11 +46,11 @@ Point-to-point (c10d ``isend``/``irecv``, one tag per message so gloo matches by
   0, so the payload does not wait for a second round trip after the header (gloo sends a
   payload only once its receive is posted; a receive posted after the header has arrived
   needs the sender's communication thread, which must first get a core from the sender's
-  compute: about 3 ms per step on the pipeline's critical path with 2 ranks on 2 busy CPU
-  cores, measured by benchmarks/pp.py's model). Sender and receiver both remember the
-  previous step's shapes of each channel, so they agree on what was posted: when the shapes
-  change, the sender fills the receiver's speculative buffers with zeros (ignored) and sends
-  the real payload on a second set of tags, posted once the header has arrived.
+  compute, on the pipeline's critical path when the CPUs are busy). Sender and receiver
+  both remember the previous step's shapes of each channel, so they agree on what was
+  posted: when the shapes change, the sender fills the receiver's speculative buffers with
+  zeros (ignored) and sends the real payload on a second set of tags, posted once the header
+  has arrived.
 
 Data parallelism beside the pipeline: a stage module with ``no_sync()`` (meshrun's ``ddp``)
 runs backward inside it for every microbatch but the last, and one with
