@@ -3,6 +3,10 @@
 Usage: elastic_worker.py RECORDS_FILE STOP_FILE. Appends one JSON line per (round, rank) to
 RECORDS_FILE, then waits until STOP_FILE exists (60 s at most), then exits 0. The rank named by
 the env var FAIL_RANK exits 7 instead, after a line on stderr.
+
+Exits with ``os._exit``: torch 2.13 + gloo sometimes aborts in its C++ teardown at interpreter
+exit ("terminate called without an active exception", SIGABRT), which would turn the exit code
+a test expects into 134 (the example and the parallel test workers do the same).
 """
 
 import json
@@ -29,8 +33,9 @@ with open(records, "a") as f:
 print(f"ready rank={record['rank']} round={record['meshrun_round']}", flush=True)
 if os.environ.get("FAIL_RANK") == str(record["rank"]):
     print(f"deliberate failure of rank {record['rank']}", file=sys.stderr, flush=True)
-    sys.exit(7)
+    os._exit(7)
 deadline = time.monotonic() + 60
 while not os.path.exists(stop) and time.monotonic() < deadline:
     time.sleep(0.05)
-sys.exit(0 if os.path.exists(stop) else 2)
+sys.stdout.flush()
+os._exit(0 if os.path.exists(stop) else 2)
