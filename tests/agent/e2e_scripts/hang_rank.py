@@ -2,7 +2,8 @@
 
 Usage: hang_rank.py HANG_RANK [ATTEMPT]: rank HANG_RANK sleeps forever at step 3 on restart
 attempt ATTEMPT (default 0; -1 never), while the other waits in the all_reduce. Exits 0 after
-10 steps otherwise.
+10 steps otherwise, with os._exit (torch 2.13 + gloo sometimes aborts in its C++ teardown at
+interpreter exit, which is not what these tests check).
 """
 
 import os
@@ -24,3 +25,4 @@ for step in range(10):
     dist.all_reduce(torch.ones(1))
     mp.heartbeat()
 print(f"rank {ctx.rank} finished on attempt {restart}", flush=True)
+os._exit(0)
