@@ -1,11 +1,14 @@
 """meshrun pipeline schedules vs torch.distributed.pipelining's schedules of the same name.
 
-    .venv/bin/python benchmarks/pp.py [--steps 10] [--warmup 3] [--rounds 2] [--batch 256]
+    .venv/bin/python benchmarks/pp.py [--steps 10] [--warmup 3] [--rounds 2]
+                                      [--width 512] [--blocks 16] [--batch 1024]
 
 Same model, same split, same data, 2 ranks on gloo (CPU, one thread per rank), for GPipe,
 1F1B (2 stages) and interleaved 1F1B (4 stages, 2 per rank), m = 4 microbatches. The model
-is balanced: an input projection, 8 equal residual MLP blocks, an output projection; stage s
-gets blocks [k s, k (s+1)) with the projections on the first and last stage.
+is balanced: ``--blocks`` equal residual MLP blocks of ``--width`` and nothing else (input
+and target are as wide, the loss is a mean squared error), so stage s of S holds blocks
+[n s / S, n (s + 1) / S) and every stage costs the same, as the formulas assume. (An input
+projection on the first stage alone made it costlier, and GPipe's bubble with it.)
 
 Every (schedule, library) run is a fresh pair of processes, so its peak RSS is its own; the
 libraries alternate (torch, meshrun, torch, ...) for ``--rounds`` rounds so drift on a shared
@@ -28,15 +31,21 @@ Two bubbles, medians over steps, both from those compute times (busy_r: rank r's
   ones: GPipe and interleaved 1F1B have identical ``pipeline_order`` tables; torch's 1F1B
   runs the standard warm-up / 1F1B / cool-down). This is the bubble of the schedule itself,
   including any imbalance between stages and between F and B; it is what the formula
-  ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs.
+  ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs. Actions of equal size still
+  vary from call to call here (two ranks share the memory system of a 2-core VM), and a
+  varying cost on the critical path lengthens it, so this bubble sits a little above the
+  formula even for a balanced model.
 
 ``overhead`` = T minus the simulated makespan: ms per step on the critical path that is not
 stage compute (the two bubbles share busy_r, so ``bubble wall = 1 - (1 - bubble sched) *
 makespan / T`` exactly). On 2 CPU cores shared by 2 compute threads and 2 gloo I/O threads, a
 message costs about 0.05 ms when the receiver posted its buffer before the sender sent, but a
 gloo call or transfer that needs a thread which is not on a core can wait for a scheduler
-slice (milliseconds); a larger microbatch (``--batch``) makes compute longer against the same
-per-message costs. Run it on a quiet machine: other load counts as overhead too.
+slice (milliseconds). The defaults make a stage's compute large against its messages (16
+blocks of 512 and microbatches of 256 rows: with 2 stages, 8 blocks per 0.5 MB message), as on
+real hardware, where a transfer costs far less than a stage; with less compute per message
+(``--width 1024 --blocks 8 --batch 256``, 4 blocks per 0.25 MB message) the per-message
+costs show as more overhead. Run it on a quiet machine: other load counts as overhead too.
 """
 
 import argparse
@@ -44,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,13 +67,22 @@ from _common import report_rank, spawn_ranks  # noqa: E402 - beside this file
 LIBS = ("torch", "meshrun")
 SCHEDULES = {"GPipe": (1, "ScheduleGPipe"), "1F1B": (1, "Schedule1F1B"),
              "Interleaved1F1B": (2, "ScheduleInterleaved1F1B")}
-WIDTH, N_BLOCKS, BATCH, N_MICRO, P = 1024, 8, 256, 4, 2
+N_MICRO, P = 4, 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The benchmark model and batch: ``blocks`` residual blocks of ``width``; ``batch`` rows."""
+
+    width: int = 512
+    blocks: int = 16
+    batch: int = 1024
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width):
         super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.fc = nn.Linear(width, width)
 
     def forward(self, x):
         return x + torch.relu(self.fc(x))
@@ -134,37 +153,29 @@ class Timed(nn.Module):
         return y
 
 
-def stage_modules(n_stages):
+def stage_modules(shape, n_stages):
     torch.manual_seed(0)
-    blocks = [Block() for _ in range(N_BLOCKS)]
-    per = N_BLOCKS // n_stages
-    modules = []
-    for s in range(n_stages):
-        layers = blocks[s * per:(s + 1) * per]
-        if s == 0:
-            layers = [nn.Linear(256, WIDTH)] + layers
-        if s == n_stages - 1:
-            layers = layers + [nn.Linear(WIDTH, 16)]
-        modules.append(nn.Sequential(*layers))
-    return modules
+    blocks = [Block(shape.width) for _ in range(shape.blocks)]
+    per = shape.blocks // n_stages
+    return [nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in range(n_stages)]
 
 
 def loss_fn(out, y):
     return ((out - y) ** 2).mean()
 
 
-def build(lib, name, rank, clock):
+def build(lib, name, rank, clock, shape):
     v, cls_name = SCHEDULES[name]
     n_stages = P * v
-    modules = stage_modules(n_stages)
+    modules = stage_modules(shape, n_stages)
     mine = [s for s in range(rank, n_stages, P)]
     if lib == "torch":
         from torch.distributed import pipelining as pl
 
-        mb = BATCH // N_MICRO
+        mb = shape.batch // N_MICRO
         stages = []
         for s in mine:
-            example = torch.empty(mb, 256 if s == 0 else WIDTH)
+            example = torch.empty(mb, shape.width)
             stages.append(pl.PipelineStage(Timed(modules[s], clock, s), s, n_stages,
                                            torch.device("cpu"), input_args=(example,)))
         cls = getattr(pl, cls_name)
@@ -180,20 +191,19 @@ def build(lib, name, rank, clock):
     return cls(stages, N_MICRO, loss_fn=loss_fn), params
 
 
-def worker(rank, lib, name, port, steps, warmup, out_dir, batch=BATCH):
-    global BATCH
-    BATCH = batch
+def worker(rank, lib, name, port, steps, warmup, out_dir, shape):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(P))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     clock = Clock()
-    schedule, params = build(lib, name, rank, clock)
+    schedule, params = build(lib, name, rank, clock, shape)
     opt = torch.optim.SGD(params, lr=1e-4)
     g = torch.Generator().manual_seed(0)
     times, pipe, costs = [], [], []
     for _ in range(warmup + steps):
-        x, y = torch.randn(BATCH, 256, generator=g), torch.randn(BATCH, 16, generator=g)
+        x = torch.randn(shape.batch, shape.width, generator=g)
+        y = torch.randn(shape.batch, shape.width, generator=g)
         dist.barrier()
         clock.reset()
         t0 = time.perf_counter()
@@ -210,8 +220,8 @@ def worker(rank, lib, name, port, steps, warmup, out_dir, batch=BATCH):
 
 
 
-def run(lib, name, steps, warmup, batch):
-    return spawn_ranks(P, worker, lambda port, out: (lib, name, port, steps, warmup, out, batch))
+def run(lib, name, steps, warmup, shape):
+    return spawn_ranks(P, worker, lambda port, out: (lib, name, port, steps, warmup, out, shape))
 
 
 def order_of(name):
@@ -246,12 +256,22 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="runs per library, alternating")
     p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
-    p.add_argument("--batch", type=int, default=BATCH,
-                   help=f"batch size, split into {N_MICRO} microbatches (default {BATCH})")
+    default = Shape()
+    p.add_argument("--width", type=int, default=default.width,
+                   help=f"width of each block (default {default.width})")
+    p.add_argument("--blocks", type=int, default=default.blocks,
+                   help=f"number of equal blocks, a multiple of 4 (default {default.blocks})")
+    p.add_argument("--batch", type=int, default=default.batch,
+                   help=f"batch size, split into {N_MICRO} microbatches (default {default.batch})")
     args = p.parse_args()
+    if args.blocks % 4 or args.batch % N_MICRO:
+        p.error(f"--blocks must be a multiple of 4 (the interleaved run has 4 stages) and "
+                f"--batch a multiple of {N_MICRO} (got --blocks {args.blocks}, --batch {args.batch})")
+    shape = Shape(args.width, args.blocks, args.batch)
     os.environ["OMP_NUM_THREADS"] = "1"
-    print(f"2 ranks, gloo, m={N_MICRO} microbatches of {args.batch // N_MICRO} x 256 -> "
-          f"{N_BLOCKS} blocks of {WIDTH} -> 16; load average {os.getloadavg()[0]:.1f}\n")
+    print(f"2 ranks, gloo, m={N_MICRO} microbatches of {shape.batch // N_MICRO} x {shape.width}, "
+          f"{shape.blocks} equal blocks of {shape.width}; "
+          f"load average {os.getloadavg()[0]:.1f}\n")
     print("| schedule | library | ms/step | peak RSS MiB | bubble wall | bubble sched | "
           "bubble formula | overhead ms/step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -264,7 +284,7 @@ def main():
         rss = {lib: 0.0 for lib in LIBS}
         for _ in range(args.rounds):
             for lib in LIBS:
-                ranks = run(lib, name, args.steps, args.warmup, args.batch)
+                ranks = run(lib, name, args.steps, args.warmup, shape)
                 for i in range(args.steps):
                     times[lib].append(max(r["times"][i] for r in ranks))
                     pipe = max(r["pipe"][i] for r in ranks)
