@@ -114,6 +114,7 @@ class Agent:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._group: WorkerGroup | None = None
+        self._failed_round = False  # this round's group failed and published its failures
         self._signal: int | None = None
         self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
@@ -218,7 +219,7 @@ class Agent:
                     if result is not None and result.state is WorkerState.SUCCEEDED:
                         reason = self._interruptible(rdzv.exit_barrier, c.monitor_interval)
                         if reason is None:
-                            self._end_round(bootstrap)
+                            self._end_round(rdzv, bootstrap)
                             rdzv.leave()
                             return EXIT_OK
                     elif result is not None:
@@ -228,12 +229,10 @@ class Agent:
                     else:
                         reason = rdzv.poll()
                 except JobFailed as e:
-                    failures = self._failures_so_far()
-                    self._end_round(bootstrap)
-                    return self._final_failure(rdzv, e.round, failures)
+                    return self._final_failure(rdzv, e.round, self._end_round(rdzv, bootstrap))
                 if reason is not None:
                     say(f"restarting the worker group: {reason}")
-                    self._end_round(bootstrap)
+                    self._end_round(rdzv, bootstrap)
                     break
 
     def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
@@ -243,6 +242,7 @@ class Agent:
             reason = self._settle(rdzv, what)
             if reason is not None:
                 return reason  # a membership change: no restart spent, no failure published
+        self._failed_round = True
         rdzv.publish_failures([self._record(f) for f in result.failures])
         state, _ = rdzv.read_state()
         if state.restarts >= self.settings.max_restarts and state.round == info.round:
@@ -311,6 +311,7 @@ class Agent:
             )
         first = min((f for f in failures if f.local_rank in idle), key=lambda f: f.timestamp_ms)
         say(f"rank {first.global_rank} {first.message}")
+        self._failed_round = True
         rdzv.publish_failures([self._record(f) for f in failures])
         return rdzv.request_restart(
             f"hang on {self.host}: rank {first.global_rank} made no progress for "
@@ -321,12 +322,6 @@ class Agent:
     def _record(self, failure: WorkerFailure) -> dict:
         info = self._group_info
         return json.loads(replace(failure, host=self.host, node_rank=info.node_rank).to_json())
-
-    def _failures_so_far(self) -> list[WorkerFailure]:
-        if self._group is None:
-            return []
-        result = self._group.wait(0)
-        return result.failures if result is not None and result.is_failed else []
 
     def _final_failure(self, rdzv: Rendezvous, round: int, local: list[WorkerFailure]) -> int:
         """Print the job-wide root-cause report; return the root-cause worker's exit status."""
@@ -358,6 +353,7 @@ class Agent:
             self._spec(info, local_rank, attempt_dir) for local_rank in range(c.nproc_per_node)
         ]
         self._group_info = info
+        self._failed_round = False
         self._group = WorkerGroup(
             specs,
             reaper,
@@ -398,12 +394,20 @@ class Agent:
             node_rank=info.node_rank,
         )
 
-    def _end_round(self, bootstrap: BootstrapStore) -> None:
+    def _end_round(self, rdzv: Rendezvous, bootstrap: BootstrapStore) -> list[WorkerFailure]:
+        """Stop the group and close the round's bootstrap store; return the ranks that failed
+        on their own this round (`WorkerGroup.failures`). After a failure, those that failed a
+        moment after the first (they were not in its report yet) are published too."""
         self._watch = None
+        failures: list[WorkerFailure] = []
         if self._group is not None:
             self._group.stop(self.config.shutdown_timeout)
+            failures = self._group.failures()
             self._group = None
         bootstrap.close()
+        if self._failed_round and failures:
+            rdzv.publish_failures([self._record(f) for f in failures])
+        return failures
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:

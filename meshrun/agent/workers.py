@@ -167,6 +167,7 @@ class WorkerGroup:
         self._sinks: list[FilteredSink] = []
         self._started = False
         self._stopped = False
+        self._exited_before_stop: set[int] | None = None  # global ranks; None: not stopped
         self._stop_lock = threading.Lock()
 
     # --- public API ---------------------------------------------------------------------------
@@ -216,17 +217,25 @@ class WorkerGroup:
             failed = [w for w in self._workers if w.exitcode not in (None, 0)]
             succeeded = bool(self._workers) and all(w.exitcode == 0 for w in self._workers)
         if failed:
-            # Give the failed workers' stderr a moment to reach EOF, so the tail is complete.
-            deadline = time.monotonic() + _TAIL_SETTLE_S
-            for w in failed:
-                w.stderr.join(max(0.0, deadline - time.monotonic()))
-            failures = sorted(
-                (w.failure() for w in failed), key=lambda f: (f.timestamp_ms, f.global_rank)
-            )
-            return GroupResult(WorkerState.FAILED, failures)
+            return GroupResult(WorkerState.FAILED, _describe(failed))
         if succeeded:
             return GroupResult(WorkerState.SUCCEEDED)
         return None
+
+    def failures(self) -> list[WorkerFailure]:
+        """The workers that failed on their own, sorted by observed exit time, then global
+        rank: those that exited non-zero or by a signal before :meth:`stop` signalled the
+        group (:meth:`wait` also counts those that the stop ended). After a stop this is the
+        round's whole list, with the ranks that failed a moment after the first one.
+        """
+        with self._cond:
+            before = self._exited_before_stop
+            failed = [
+                w
+                for w in self._workers
+                if w.exitcode not in (None, 0) and (before is None or w.spec.global_rank in before)
+            ]
+        return _describe(failed)
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the process group of every worker that has not exited."""
@@ -251,6 +260,10 @@ class WorkerGroup:
                 return
             self._stopped = True
             deadline = time.monotonic() + max(0.0, grace)
+            with self._cond:  # a worker that is already gone cannot have been ended by us
+                self._exited_before_stop = {
+                    w.spec.global_rank for w in self._workers if _has_exited(w)
+                }
 
             # 1. SIGTERM: every group, and descendants found now (before parents die and their
             #    children are re-parented out of reach).
@@ -470,6 +483,27 @@ class _Worker:
             stderr_path=str(Path(spec.log_dir) / "stderr.log"),
             source=source,
         )
+
+
+def _has_exited(worker: _Worker) -> bool:
+    """Whether the worker process has exited (reaped or not), without reaping it: its waiter
+    thread may not have recorded the exit yet, but a zombie is an exit all the same."""
+    if worker.exitcode is not None:
+        return True
+    try:
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        return os.waitid(os.P_PID, worker.proc.pid, flags) is not None
+    except ChildProcessError:  # reaped by the waiter thread a moment ago
+        return True
+
+
+def _describe(failed: list[_Worker]) -> list[WorkerFailure]:
+    """The failures of ``failed``, sorted by observed exit time, then global rank; each
+    worker's stderr gets up to 0.5 s in all to reach EOF first, so its tail is complete."""
+    deadline = time.monotonic() + _TAIL_SETTLE_S
+    for w in failed:
+        w.stderr.join(max(0.0, deadline - time.monotonic()))
+    return sorted((w.failure() for w in failed), key=lambda f: (f.timestamp_ms, f.global_rank))
 
 
 def _quiet_killpg(pgid: int, signum: int) -> None:

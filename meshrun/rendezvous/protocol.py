@@ -416,9 +416,22 @@ class Rendezvous:
                 return reason
 
     def publish_failures(self, records: list[dict]) -> None:
-        """Publish this node's worker failures of the current round (for the job report)."""
+        """Publish this node's worker failures of the current round (for the job report).
+
+        Records are dicts with a ``global_rank``. A later call adds the ranks the earlier
+        ones did not have (the agent publishes the first failures at once, and every rank that
+        failed before its group was stopped when the job ends); a rank's first record stays.
+        One store operation for the first call; only this node writes its key.
+        """
         key = self._round_key(self.info.round, "failure", self.info.node_rank)
-        self.store.set_once(key, json.dumps(records).encode())
+        stored, current = self.store.compare_and_set(key, 0, json.dumps(records).encode())
+        if stored or current is None:
+            return
+        known = json.loads(current.value)
+        ranks = {r["global_rank"] for r in known}
+        new = [r for r in records if r["global_rank"] not in ranks]
+        if new:
+            self.store.compare_and_set(key, current.version, json.dumps(known + new).encode())
 
     def collect_failures(self, round: int) -> list[dict]:
         """Every member's published failures of ``round`` (the round the job failed in).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,35 @@ def test_exit_code_passes_through(launch):
     )
     assert res.returncode == 7, res.stderr
     assert "exit code 7" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ranks_failing_together_are_all_in_the_report(launch):
+    """Both ranks exit at the same moment (5 and 6): the report names one as the root cause
+    and lists the other under "Other failures" (before, a rank that failed a moment after the
+    first was often left out); meshrun exits with the root cause's code."""
+    import fcntl
+
+    out, lock = launch.cwd / "out", launch.cwd / "lock"
+    out.mkdir()
+    lock.write_text("")
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = launch.start(
+            ["--nproc-per-node", "2", str(SCRIPTS / "exit_together.py"), str(lock), str(out)]
+        )
+        launch.wait_for(
+            lambda: all((out / f"ready_{r}").exists() for r in (0, 1)), 40, what="both ranks"
+        )
+        time.sleep(0.2)  # both are now blocked in flock (they write ready just before)
+    _, err = proc.communicate(timeout=40)  # the `with` released the lock: both exit at once
+    report = err[err.index("Root cause") :]
+    root = 0 if "rank       : 0 (local rank 0)" in report else 1
+    other = 1 - root
+    assert proc.returncode == 5 + root, err
+    assert f"exit code {5 + root}" in report
+    assert "Other failures (1), in order observed:" in report, report
+    assert f"  rank {other} (host " in report and f"exit code {5 + other} at +" in report, report
 
 
 @pytest.mark.timeout(60)

@@ -113,6 +113,23 @@ def test_failure_spends_the_shared_budget_once_per_round():
     b.close()
 
 
+def test_a_later_publish_adds_ranks_and_keeps_first_records():
+    """The agent publishes the first failures at once and, after stopping its group, every
+    rank that failed before the stop: the report gets the late ranks, a rank's first record
+    stays."""
+    store, s = MemoryStore(), settings(1, 1)
+    node = make_node(store, s, "solo")
+    round_ = node.next_round().round
+    node.publish_failures([{"global_rank": 1, "exitcode": 6, "traceback": ""}])
+    node.publish_failures([{"global_rank": 1, "exitcode": 6, "traceback": "more lines"},
+                           {"global_rank": 0, "exitcode": 5, "traceback": "boom"}])
+    assert node.collect_failures(round_) == [
+        {"global_rank": 1, "exitcode": 6, "traceback": ""},
+        {"global_rank": 0, "exitcode": 5, "traceback": "boom"},
+    ]
+    node.close()
+
+
 def test_scale_up_a_waiting_node_triggers_a_new_round():
     store, s = MemoryStore(), settings(1, 2)
     a = make_node(store, s, "a")
