@@ -12,6 +12,8 @@ command line. An empty environment variable counts as unset. Each value is then 
   the agent then hosts an in-process store on an OS-assigned port.
 - SLURM: under ``srun`` with one meshrun per node and no ``--rdzv-endpoint``, the node count,
   node rank and c10d endpoint come from the SLURM environment (`meshrun.launcher.slurm`).
+- static: a fixed node count; ``--nnodes MIN:MAX`` with MIN < MAX needs an elastic backend
+  (torchrun's static rendezvous would wait for MAX nodes, meshrun says so instead).
 - entrypoint: ``(python, "-u", script)``, ``(python, "-u", "-m", module)`` or ``(script,)``
   with ``--no-python``; ``python`` is ``$PYTHON_EXEC`` if set (as torchrun), else
   ``sys.executable``. ``--run-path`` keeps ``(python, "-u", script)`` and sets
@@ -132,6 +134,13 @@ def build_config_and_notes(
             )
         rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
         master_port = None
+    if rdzv_backend == "static" and min_nodes != max_nodes:
+        # torchrun's static rendezvous waits for MAX nodes; an elastic range there is a mistake
+        raise ConfigError(
+            f"{raw['nnodes'].where}: the static rendezvous has a fixed node count (got MIN="
+            f"{min_nodes}, MAX={max_nodes}); give --nnodes N, or add --rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT (or etcd) for an elastic range"
+        )
 
     # -- the worker command -------------------------------------------------------------
     module, no_python, run_path = flag("module"), flag("no_python"), flag("run_path")

@@ -201,7 +201,10 @@ def test_standalone_is_implied_for_one_node_without_endpoint_or_port(workdir):
     assert cfg("--master-port", "29500", "train.py").master_port == 29500
     assert not cfg("--rdzv-endpoint", "h:1", "train.py").standalone
     assert not cfg("--nnodes", "2", "train.py").standalone
-    assert not cfg("--nnodes", "1:2", "train.py").standalone
+    assert not cfg("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1",
+                   "train.py").standalone
+    with pytest.raises(ConfigError, match="static rendezvous has a fixed node count"):
+        cfg("--nnodes", "1:2", "train.py")  # no second node could ever join
     static = cfg("--nnodes", "2", "train.py")
     assert (static.rdzv_backend, static.master_port, static.master_addr) == ("static", None, "127.0.0.1")
 

@@ -44,6 +44,7 @@ BAD_INPUTS = {
     "module with no-python": ["-m", "--no-python", "pkg"],
     "unknown rdzv-conf key": ["--rdzv-conf", "jion_timeout=5", "train.py"],
     "c10d without endpoint": ["--rdzv-backend", "c10d", "--nnodes", "2", "train.py"],
+    "elastic range on static": ["--nnodes", "1:2", "train.py"],
     "malformed ipv6 endpoint": ["--rdzv-backend", "c10d", "--nnodes", "2",
                                 "--rdzv-endpoint", "[::1:29400", "train.py"],
     "etcd cert without key": ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint",
@@ -92,7 +93,8 @@ def test_parsing_does_not_import_torch(cwd: Path, meshrun_env):
     code = (
         "import sys, os\n"
         "from meshrun.launcher import build_config\n"
-        "c = build_config(['--nproc-per-node', 'auto', '--nnodes', '1:2', 'train.py'], os.environ)\n"
+        "c = build_config(['--nproc-per-node', 'auto', '--nnodes', '1:2', '--rdzv-backend', 'c10d',"
+        " '--rdzv-endpoint', '127.0.0.1:29400', 'train.py'], os.environ)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print(c.nproc_per_node)\n"
     )
