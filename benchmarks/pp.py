@@ -7,8 +7,7 @@ Same model, same split, same data, 2 ranks on gloo (CPU, one thread per rank), f
 1F1B (2 stages) and interleaved 1F1B (4 stages, 2 per rank), m = 4 microbatches. The model
 is balanced: ``--blocks`` equal residual MLP blocks of ``--width`` and nothing else (input
 and target are as wide, the loss is a mean squared error), so stage s of S holds blocks
-[n s / S, n (s + 1) / S) and every stage costs the same, as the formulas assume. (An input
-projection on the first stage alone made it costlier, and GPipe's bubble with it.)
+[n s / S, n (s + 1) / S) and every stage costs the same, as the formulas assume.
 
 Every (schedule, library) run is a fresh pair of processes, so its peak RSS is its own; the
 libraries alternate (torch, meshrun, torch, ...) for ``--rounds`` rounds so drift on a shared

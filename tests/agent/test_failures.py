@@ -4,6 +4,7 @@ traceback with and without torch's ``@record``."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -111,8 +112,6 @@ def test_ranks_failing_together_are_all_in_the_report(launch):
     """Both ranks exit at the same moment (5 and 6): the report names one as the root cause
     and lists the other under "Other failures" (before, a rank that failed a moment after the
     first was often left out); meshrun exits with the root cause's code."""
-    import fcntl
-
     out, lock = launch.cwd / "out", launch.cwd / "lock"
     out.mkdir()
     lock.write_text("")
