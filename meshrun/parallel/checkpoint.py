@@ -62,8 +62,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from meshrun.parallel import layout
 
-__all__ = ["ModelState", "OptimizerState", "latest", "load", "model_state", "optimizer_state",
-           "save"]
+__all__ = ["ModelState", "OptimizerState", "create_optimizer_state", "latest", "load",
+           "model_state", "optimizer_state", "save"]
 
 PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -134,8 +134,13 @@ def load(state: dict, path: str | os.PathLike) -> None:
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"checkpoint.load: no complete checkpoint at {path} (its "
                                 f".metadata file is missing)")
+    reader = dcp.FileSystemReader(path)
     with _dcp_errors("load", path):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(),
+        saved_keys = set(reader.read_metadata().state_dict_metadata)
+        for key, optim in _optimizer_states(state):
+            optim.prepare_load({name for name in optim.names.values()
+                                if any(k.startswith(f"{key}.state.{name}.") for k in saved_keys)})
+        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
                  no_dist=not dist.is_initialized())
 
 
@@ -172,10 +177,12 @@ def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, *,
 
     Each state tensor shaped like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's
     ``momentum_buffer``) is saved and loaded with its parameter's blocks, so it reshards too;
-    other state (``step``) is taken as replicated. An optimizer that has not stepped yet gets
-    its state created first by one step with learning rate 0 and zero gradients (how torch's
-    ``_init_optim_state`` does it) and its step counters reset to 0, so there is something to
-    load into and training without a load goes on as from a fresh optimizer.
+    other state (``step``) is taken as replicated. Saving reads the state as it is and changes
+    nothing: a parameter without state (frozen, never given a gradient, or an optimizer that
+    has not stepped) is saved without any. `load` makes the state match the checkpoint's:
+    state is created (`create_optimizer_state`) for the parameters the checkpoint has state
+    for, then overwritten with the saved values; parameters the checkpoint has no state for
+    are left without any, so their next step is a fresh optimizer's first step.
 
     Raises:
         ValueError: the optimizer holds a parameter that is not in ``module``.
@@ -227,12 +234,13 @@ class OptimizerState(Stateful):
                                      f"the module's (pass the module the optimizer trains)")
 
     def state_dict(self) -> dict:
-        _init_state(self.optimizer)
+        """The optimizer's state as it is: parameters without state (frozen, or not stepped
+        yet) have no entries. Reads only; nothing is created or changed."""
         state = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 entries = {}
-                for key, value in self.optimizer.state[p].items():
+                for key, value in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(value) and value.dim() and value.shape == p.shape:
                         entries[key] = ShardedBlocks.of(value, p)
                     else:
@@ -242,16 +250,90 @@ class OptimizerState(Stateful):
                   for g in self.optimizer.param_groups]
         return {"state": state, "param_groups": groups}
 
+    def prepare_load(self, saved: set[str]) -> None:
+        """Make the optimizer's state the shape of the saved one, before DCP fills it.
+
+        ``saved`` are the names of the parameters the checkpoint has state for. Those lacking
+        state here get it created (`create_optimizer_state`), so there is something to load
+        into; those that have state here but none in the checkpoint lose it, so the next step
+        treats them as a fresh optimizer would, as the run that saved would have."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        create_optimizer_state(self.optimizer,
+                               [p for p in params if self.names[id(p)] in saved])
+        for p in params:
+            if self.names[id(p)] not in saved:
+                self.optimizer.state.pop(p, None)
+
     def load_state_dict(self, state_dict: dict) -> None:
         for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"],
                                 strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                mine = self.optimizer.state[p]
-                for key, value in state_dict["state"][self.names[id(p)]].items():
+                mine = self.optimizer.state.get(p)
+                if mine is None:
+                    continue
+                for key, value in state_dict["state"].get(self.names[id(p)], {}).items():
                     if not isinstance(value, ShardedBlocks) and not torch.is_tensor(value):
                         mine[key] = value  # python scalars were replaced, tensors filled
+
+
+@torch.no_grad()
+def create_optimizer_state(optimizer: torch.optim.Optimizer,
+                           params: Iterable[torch.Tensor] | None = None) -> None:
+    """Create the per-parameter state a first step would, for ``params`` that lack it.
+
+    Only those parameters are touched: a second optimizer of the same type, with each group's
+    hyperparameters but learning rate 0, takes one step on them with zero gradients, and its
+    state is handed to ``optimizer``. The parameters' values, their ``.grad``, every other
+    parameter's state and the step counters of the others are left exactly as they were. The
+    values created are placeholders for `load` to overwrite (Adam's moments are zero, its
+    ``step`` is 1; SGD's momentum buffer is ``weight_decay * p``).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` whose constructor takes ``(param_groups)``.
+        params: parameters of ``optimizer``; default all of them.
+
+    Raises:
+        ValueError: a parameter in ``params`` is not in ``optimizer``.
+
+    torch's ``_init_optim_state`` does this by stepping the whole optimizer, which changes
+    the state of the parameters that already had some; this never does.
+    """
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    if params is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    todo: dict[int, list[torch.Tensor]] = {}  # id(group) -> its parameters that lack state
+    for p in params:
+        if id(p) not in group_of:
+            raise ValueError(f"create_optimizer_state: a parameter of shape {tuple(p.shape)} "
+                             f"is not in the optimizer")
+        if not optimizer.state.get(p):
+            todo.setdefault(id(group_of[id(p)]), []).append(p)
+    if not todo:
+        return
+    groups = []
+    for g in optimizer.param_groups:
+        if id(g) in todo:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            hyper["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            groups.append({**hyper, "params": todo[id(g)]})
+    scratch = type(optimizer)(groups)
+    grads = {id(p): p.grad for g in groups for p in g["params"]}
+    values = {id(p): p.detach().clone() for g in groups for p in g["params"]}
+    try:
+        for g in groups:
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        scratch.step()
+    finally:
+        for g in groups:
+            for p in g["params"]:
+                p.grad = grads[id(p)]
+                p.copy_(values[id(p)])  # lr 0 leaves them; a decoupled decay must not either
+    for g in groups:
+        for p in g["params"]:
+            optimizer.state[p] = scratch.state[p]
 
 
 class ShardedBlocks:
@@ -347,28 +429,13 @@ def _chunk(p: layout.Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
 
 
-@torch.no_grad()
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create missing optimizer state: one step with lr 0 and zero gradients, then step
-    counters back to 0, so that training on from here is the same as from a fresh optimizer
-    (Adam, AdamW: zero moments and step 0 are what their first step creates)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(optimizer.state.get(p) for p in params):
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    grads = [p.grad for p in params]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
-        g["lr"] = lr
-    for p, grad in zip(params, grads, strict=True):
-        p.grad = grad
-        for value in optimizer.state[p].values():  # Adam's step back to 0: as if fresh
-            if torch.is_tensor(value) and not value.dim():
-                value.zero_()
+def _optimizer_states(state: dict, prefix: str = ""):
+    """(flattened key, `OptimizerState`) of every optimizer view in ``state``, nested too."""
+    for key, value in state.items():
+        if isinstance(value, OptimizerState):
+            yield prefix + key, value
+        elif isinstance(value, dict):
+            yield from _optimizer_states(value, f"{prefix}{key}.")
 
 
 def _owner(module: nn.Module, name: str) -> nn.Module:

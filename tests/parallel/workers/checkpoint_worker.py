@@ -140,7 +140,7 @@ def main():
         model, params, optimizer = build(args)
         state = {"model": checkpoint.model_state(model, params=params), "step": 0,
                  "optim": checkpoint.optimizer_state(optimizer, model, params=params)}
-        state["optim"].state_dict()  # creates Adam's state, to fill
+        checkpoint.create_optimizer_state(optimizer)  # Adam's state, to fill
         if args.mode == "save":
             fill(model, params, optimizer, reference)
             state["step"] = 42
