@@ -15,10 +15,19 @@ with vocabulary padding, cut again on dim 0 by FSDP, is several blocks, which DT
 placements cannot describe), optimizer state keyed by parameter name with the same blocks as
 its parameter, and atomic saves:
 
-- `save` writes into ``<path>.partial`` and renames it to ``<path>`` only after every rank's
-  files and the metadata are on disk (fsync'd), so a save killed at any moment leaves the
-  previous checkpoint, and nothing else under a checkpoint name. A ``.partial`` directory
-  left by a killed save is removed by the next `save` to the same path.
+- `save` writes into ``<path>.partial`` and puts it in place in one step (a rename, or an
+  exchange with the checkpoint it replaces) only after every rank's files, the metadata and
+  the directory are on disk (fsync'd), so a save killed at any moment leaves the previous
+  checkpoint, and nothing else under a checkpoint name (`meshrun.parallel.atomic_dir`). The
+  next save sweeps what killed saves left. Two jobs saving into one directory: the second
+  gets `SaveInProgress`, never an interleaving.
+- ``save(..., async_=True)`` copies the blocks to host memory and writes in the background;
+  the next save, `load` or `wait()` joins it.
+- Saving reads only. Optimizer state missing at save time (a frozen parameter, one without
+  a gradient yet) is simply not saved; `load` creates state for exactly the parameters the
+  checkpoint has state for.
+- `load` checks the files first: a damaged or truncated checkpoint is one error naming the
+  file.
 - `latest(directory)` finds the newest complete ``step_<N>`` checkpoint, for resuming.
 
 Typical use, on every rank (both calls are collectives over the default group)::
@@ -39,9 +48,10 @@ Mirrors ``torch.distributed.checkpoint.save`` / ``load`` with
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
-import shutil
+import threading
 import warnings
 from collections.abc import Iterable
 
@@ -60,53 +70,112 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshrun.parallel import layout
+from meshrun.parallel import atomic_dir, layout
+from meshrun.parallel.atomic_dir import SaveInProgress
 
-__all__ = ["ModelState", "OptimizerState", "create_optimizer_state", "latest", "load",
-           "model_state", "optimizer_state", "save"]
+__all__ = ["AsyncSave", "ModelState", "OptimizerState", "SaveInProgress",
+           "create_optimizer_state", "latest", "load", "model_state", "optimizer_state", "save",
+           "wait"]
 
-PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def save(state: dict, path: str | os.PathLike) -> None:
+def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> AsyncSave | None:
     """Write ``state`` to the directory ``path``, atomically; a collective over all ranks.
+
+    Reads only: the model, the optimizer and the random state are left exactly as they were.
 
     Args:
         state: a dict of tensors, `ModelState` / `OptimizerState` (or any DCP ``Stateful``),
             nested dicts, and small picklable values (ints, floats, strings: written once,
             by rank 0). Tensors that are not parameters are taken as replicated: rank 0's copy
             is written.
-        path: the checkpoint directory; it must not exist yet, or it is replaced (its previous
-            contents are moved to ``<path>.old`` first and removed after the rename).
+        path: the checkpoint directory; it must not exist yet, or it is replaced in one step
+            (`meshrun.parallel.atomic_dir`): a kill at any moment leaves either the previous
+            checkpoint or the new one under ``path``, complete.
+        async_: copy this rank's blocks to host memory, return, and write them on a background
+            thread (over a process group of its own, so training's collectives go on). The
+            next `save`, or `wait()`, joins it and raises its error.
+
+    Returns:
+        None; with ``async_``, the `AsyncSave` handle (``handle.wait()``).
 
     Raises:
         FileExistsError: ``path`` exists and is not a directory.
+        SaveInProgress: another job (or an unjoined save) is writing into ``path``'s parent
+            directory.
         OSError: the filesystem refused a write (every rank raises; ``path`` is untouched).
 
     Cost: every rank writes its own blocks (bytes held / write bandwidth) in parallel, plus
-    three small collectives (plans, metadata) and two barriers.
+    four small collectives (lock outcome, plans, metadata, rename outcome). Asynchronous: the
+    training loop pays one host copy of the rank's blocks.
     """
-    path = os.fspath(path)
+    wait()  # one save at a time: the previous background write finishes first
+    path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"checkpoint.save: {path} exists and is not a directory")
-    partial = path + PARTIAL
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-        os.makedirs(partial)
-    _barrier()
-    with _dcp_errors("save", path):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_SavePlanner(),
-                 no_dist=not dist.is_initialized())
-    if _rank() == 0:
-        old = path + ".old"
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(partial, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    lock, error = None, None
+    if _rank() == 0:  # the lock, the sweep and the .partial directory are rank 0's
+        try:
+            lock = atomic_dir.DirLock(os.path.dirname(path))
+            atomic_dir.sweep(os.path.dirname(path))  # left by killed saves (not ours: locked)
+            atomic_dir.begin(path)
+        except Exception as e:
+            error = e
+            if lock is not None:
+                lock.release()
+    _agree(error, None)
+    if not async_:
+        try:
+            _write(state, path, None)
+        finally:
+            if lock is not None:
+                lock.release()
+        return None
+    global _pending
+    _pending = AsyncSave(_stage(state), path, _background_group(), lock)
+    return _pending
+
+
+class AsyncSave:
+    """A save writing in the background (see `save`); `wait` joins it."""
+
+    def __init__(self, staged: dict, path: str, group, lock):
+        self.path, self._lock, self._error = path, lock, None
+        self._thread = threading.Thread(target=self._run, args=(staged, group),
+                                        name="meshrun-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self, staged: dict, group) -> None:
+        try:
+            _write(staged, self.path, group)
+        except BaseException as e:  # handed to wait(), in the training thread
+            self._error = e
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the checkpoint is in place; raise the error the write met, if any."""
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def wait() -> None:
+    """Join the save still writing in the background, if any (see `save`'s ``async_``)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.wait()
+
+
+_pending: AsyncSave | None = None
+_group = None  # the background saves' own process group, made at the first
 
 
 def load(state: dict, path: str | os.PathLike) -> None:
@@ -127,6 +196,7 @@ def load(state: dict, path: str | os.PathLike) -> None:
         ValueError: a tensor's global shape differs from the saved one (another model).
         OSError: a file could not be read.
     """
+    wait()  # a background save of this job finishes first
     if path is None:
         raise FileNotFoundError("checkpoint.load: no checkpoint path (latest() found none: "
                                 "start from scratch, or check the directory)")
@@ -135,8 +205,9 @@ def load(state: dict, path: str | os.PathLike) -> None:
         raise FileNotFoundError(f"checkpoint.load: no complete checkpoint at {path} (its "
                                 f".metadata file is missing)")
     reader = dcp.FileSystemReader(path)
+    metadata = _read_checked(reader, path)
     with _dcp_errors("load", path):
-        saved_keys = set(reader.read_metadata().state_dict_metadata)
+        saved_keys = set(metadata.state_dict_metadata)
         for key, optim in _optimizer_states(state):
             optim.prepare_load({name for name in optim.names.values()
                                 if any(k.startswith(f"{key}.state.{name}.") for k in saved_keys)})
@@ -429,6 +500,92 @@ def _chunk(p: layout.Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
 
 
+def _write(state: dict, path: str, group) -> None:
+    """dcp.save into ``<path>.partial`` (made by rank 0), then rank 0 renames it into place."""
+    partial = path + atomic_dir.PARTIAL
+    with _dcp_errors("save", path):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=_SavePlanner(),
+                 process_group=group, no_dist=not dist.is_initialized())
+    error = _attempt(lambda: atomic_dir.commit(partial, path)) if _rank() == 0 else None
+    _agree(error, group)
+
+
+def _stage(state: dict) -> dict:
+    """A host copy of everything ``state`` would write (Statefuls read through their
+    ``state_dict``), for a background write that the training loop cannot disturb."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, Stateful):
+            value = value.state_dict()
+        if isinstance(value, dict):
+            out[key] = _stage(value)
+        elif isinstance(value, list):
+            out[key] = [_stage({"v": v})["v"] for v in value]
+        elif isinstance(value, ShardedBlocks):
+            out[key] = ShardedBlocks(value.local.detach().to("cpu", copy=True), value.shape,
+                                     value.pieces)
+        elif torch.is_tensor(value):
+            out[key] = value.detach().to("cpu", copy=True)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _background_group():
+    """A gloo group of every rank for background saves (made once, collectively)."""
+    global _group
+    if _group is None and dist.is_initialized():
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def _attempt(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
+
+
+def _agree(error: BaseException | None, group) -> None:
+    """Every rank raises rank 0's ``error`` (or none does): a collective over ``group``."""
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+
+
+def _read_checked(reader, path: str):
+    """The checkpoint's metadata, after checking that every file it names is whole.
+
+    Raises:
+        ValueError: ``.metadata`` cannot be read, or a data file is shorter than the blocks
+            it should hold (truncated); the message names the file.
+        FileNotFoundError: a data file the metadata names is missing.
+    """
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise ValueError(f"checkpoint.load: {os.path.join(path, '.metadata')} is damaged "
+                         f"({type(e).__name__}: {e}); load an earlier checkpoint") from e
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                       info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"checkpoint.load: {file} is missing (the checkpoint is "
+                                    f"incomplete); load an earlier checkpoint")
+        size = os.path.getsize(file)
+        if size < end:
+            raise ValueError(f"checkpoint.load: {file} is damaged (truncated: {size} bytes, "
+                             f"the checkpoint needs {end}); load an earlier checkpoint")
+    return metadata
+
+
 def _optimizer_states(state: dict, prefix: str = ""):
     """(flattened key, `OptimizerState`) of every optimizer view in ``state``, nested too."""
     for key, value in state.items():
@@ -454,11 +611,3 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -4,7 +4,8 @@ One seeded case per launch (``--seed``): a small MLP with a frozen parameter (in
 never given a gradient) and an unused one, data parallel over the world with ``ddp`` or
 ``fully_shard``, SGD with momentum or AdamW. Four runs of ``K + M`` steps on the same data:
 
-- ``saving``: trains K steps, saves, trains M more;
+- ``saving``: trains K steps, saves (in the background for half the cases, training on
+  while it writes), trains M more;
 - ``plain``: trains K + M steps, never saves: must equal ``saving`` bit for bit after every
   step (same arithmetic, so saving may not change a single bit of what follows);
 - ``resumed``: a fresh model and optimizer load the checkpoint, then train M steps: must equal
@@ -100,7 +101,8 @@ def run(case, *, save_to=None, load_from=None):
         history[step] = snapshot(model)
         if save_to is not None and step == K - 1:
             state["step"] = K
-            checkpoint.save(state, save_to)
+            checkpoint.save(state, save_to, async_=case["async"])  # async: trains on at once
+    checkpoint.wait()
     return model, history
 
 
@@ -138,15 +140,16 @@ def main():
     p.add_argument("--seed", type=int, required=True)
     args = p.parse_args()
     checks = []
-    for strategy in ("ddp", "fsdp"):
-        for optimizer in ("adamw", "sgd"):
-            case = {"seed": args.seed, "strategy": strategy, "optimizer": optimizer}
+    for strategy, optimizer, background in [("ddp", "adamw", False), ("ddp", "sgd", True),
+                                            ("fsdp", "adamw", True), ("fsdp", "sgd", False)]:
+        case = {"seed": args.seed, "strategy": strategy, "optimizer": optimizer,
+                "async": background}
 
-            def check(ctx, case=case):
-                exact_state(ctx, case)
+        def check(ctx, case=case):
+            exact_state(ctx, case)
 
-            check.__name__ = f"exact_state_{strategy}_{optimizer}"
-            checks.append(check)
+        check.__name__ = f"exact_state_{strategy}_{optimizer}{'_async' if background else ''}"
+        checks.append(check)
     run_checks(checks)
 
 
