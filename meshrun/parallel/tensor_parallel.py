@@ -60,6 +60,7 @@ the API mirrors ``torch.distributed.tensor.parallel`` (``parallelize_module``,
 from __future__ import annotations
 
 import fnmatch
+import functools
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from meshrun.parallel import tp_comm
+from meshrun.parallel import placement, tp_comm
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.tp_random import RNGTracker
 from meshrun.parallel.vocab_parallel import vocab_parallel_embedding
@@ -138,6 +139,7 @@ def parallelize(module: nn.Module, group_or_mesh: dist.ProcessGroup | Mesh | Non
             setattr(mod, pname, shards[id(full)])
         style._apply(mod, name, tp)
         mod._meshrun_tp_style = style
+        _register_state_dict_hooks(mod, list(specs[name]))
     module.tp_rng_tracker = tp.rng
     return module
 
@@ -146,27 +148,20 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torc
     """The full (unsharded) value of a parameter sharded by `parallelize`, on every rank.
 
     Args:
-        param: a parameter of a parallelized module (a local shard, or replicated).
+        param: a parameter of a parallelized module (a local shard, or replicated), possibly
+            also cut by `fully_shard`.
         tensor: a tensor shaped like ``param`` to gather instead, e.g. ``param.grad``
             (default: ``param`` itself).
 
     Returns:
         The full tensor (padding removed, fused chunks put back in order), detached; for a
-        replicated parameter, ``tensor`` itself. One all-gather over the TP group.
+        replicated parameter, ``tensor`` itself. One all-gather per group that cuts it (its
+        `meshrun.parallel.placement` record: the TP group, then the FSDP group).
 
     Mirrors ``DTensor.full_tensor()``.
     """
-    value = (param if tensor is None else tensor).detach()
-    spec: ShardSpec | None = getattr(param, "_meshrun_tp_spec", None)
-    if spec is None:
-        return value
-    group = param._meshrun_tp_group
-    size = dist.get_world_size(group)
-    gathered = tp_comm.all_gather(value.movedim(spec.dim, 0).contiguous(), group, 0)
-    n = spec.padded // (size * spec.chunks)
-    rest = gathered.shape[1:]
-    gathered = gathered.view(size, spec.chunks, n, *rest).transpose(0, 1)
-    return gathered.reshape(spec.padded, *rest)[:spec.size].movedim(0, spec.dim)
+    value = param if tensor is None else tensor
+    return placement.full_tensor(placement.of(param), value)
 
 
 # -------------------------------------------------------------------------------------------
@@ -262,7 +257,7 @@ class ColwiseParallel(ParallelStyle):
             return
         spec: ShardSpec = module.weight._meshrun_tp_spec
         seq_dim = self.input_layouts.dim if isinstance(self.input_layouts, Shard) else None
-        pad_mask = _pad_mask(spec, tp)
+        pad_mask = _pad_mask(spec, tp, module.weight.device)
         chunks = self.chunks
 
         def linear_forward(mod, x):
@@ -600,17 +595,31 @@ def _make_shard(full: nn.Parameter, spec: ShardSpec, tp: _TP) -> nn.Parameter:
         local = t.reshape(spec.chunks * n, *t.shape[2:]).movedim(0, spec.dim)
         local = local.clone(memory_format=torch.contiguous_format)  # own storage, not a view
     shard = nn.Parameter(local, requires_grad=full.requires_grad)
-    shard._meshrun_tp_spec = spec
-    shard._meshrun_tp_group = tp.group
+    shard._meshrun_tp_spec = spec  # read by this file's styles only
+    cut = placement.Cut("tp", tp.group, spec.dim, tp.size, tp.rank, spec.chunks, spec.padded)
+    placement.record(shard, placement.of(full).narrow(cut))
     return shard
 
 
-def _pad_mask(spec: ShardSpec, tp: _TP) -> torch.Tensor | None:
+def _pad_mask(spec: ShardSpec, tp: _TP, device: torch.device) -> torch.Tensor | None:
+    """The padded vocabulary rows of this rank's output (True: -inf), on ``device`` (the
+    weight's: masked_fill needs the mask where the logits are), or None if it holds none."""
     if spec.padded == spec.size:
         return None
     rows = spec.padded // tp.size
     mask = torch.arange(tp.rank * rows, (tp.rank + 1) * rows) >= spec.size
-    return mask if bool(mask.any()) else None
+    return mask.to(device) if bool(mask.any()) else None
+
+
+def _register_state_dict_hooks(module: nn.Module, names: list[str]) -> None:
+    """``state_dict()`` of the sharded parameters: DTensors of the global shape; and
+    ``load_state_dict`` takes those, full tensors, or local shards (`placement`)."""
+    if not names:
+        return
+    params = [(n, module._parameters[n]) for n in names]
+    module.register_state_dict_post_hook(functools.partial(placement.state_dict_hook, params))
+    module.register_load_state_dict_pre_hook(
+        functools.partial(placement.load_state_dict_hook, params))
 
 
 @torch.no_grad()

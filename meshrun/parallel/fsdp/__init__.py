@@ -20,8 +20,9 @@ Files, one concern each (after torch/distributed/fsdp/_fully_shard/):
 - unit.py: a unit's state, its hooks, the autograd Functions `AllGatherParams` (forward:
   gather; backward: reduce-scatter) and `UnshardBeforeBackward`, prefetch, and the root that
   finishes the backward. Its docstring is the design note.
-- state_dict.py: sharded (DTensor ``Shard(0)``, DCP-loadable) and full (rank 0, CPU, one unit
-  at a time) state dicts.
+- state_dict.py: sharded state dicts (DTensors of the unsplit shape, DCP-loadable, from the
+  parameters' `meshrun.parallel.placement` records); `full_state_dict` (rank 0, CPU, one
+  parameter at a time) lives in `meshrun.parallel.state_dict`.
 - clip.py: `clip_grad_norm_` by the global norm over the shards.
 
 Limits: parameters are sharded from a materialised module (no meta-device init); the unit's
@@ -32,7 +33,7 @@ per-rank (plain tensors), not DTensors.
 
 from meshrun.parallel.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshrun.parallel.fsdp.clip import clip_grad_norm_
-from meshrun.parallel.fsdp.state_dict import full_state_dict
+from meshrun.parallel.state_dict import full_state_dict
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
            "fully_shard"]

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.parallel import placement
 from meshrun.parallel.fsdp.state_dict import register_state_dict_hooks
 from meshrun.parallel.fsdp.unit import Unit
 
@@ -85,9 +86,11 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     ranks). Memory per rank: 1/N of parameters, gradients and optimizer state, plus the
     unsharded parameters of the units currently unsharded (one or two with ZeRO-3).
 
-    ``module.state_dict()`` then holds ``DTensor`` s with ``Shard(0)`` placement (no
-    communication; ``torch.distributed.checkpoint`` can save and reshard them), and
+    ``module.state_dict()`` then holds ``DTensor`` s of the unsplit shape with ``Shard(0)``
+    placement (``(Shard(d), Shard(0))`` on a 2-D ``(tp, fsdp)`` mesh over a `parallelize` d
+    cut; no communication; ``torch.distributed.checkpoint`` can save and reshard them), and
     ``load_state_dict`` accepts those or full tensors; `full_state_dict` gathers onto rank 0.
+    The parameter's `meshrun.parallel.placement` record gets the dim-0 cut over ``group``.
 
     Args:
         module: the block or model, on its device, with the same values on every rank (rank 0
@@ -118,9 +121,12 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
                            f"fully_shard")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params, aliases, fqns = _collect(module)
+    before = [placement.of(p) for p in params]  # TP's record, or whole: read before the cut
     unit = Unit(module, group, params, aliases, fqns, reshard_after_forward, mp_policy)
-    for p in params:
+    for p, was in zip(params, before, strict=True):
         p._fsdp_unit = unit
+        placement.record(p, was.narrow(placement.Cut("fsdp", group, 0, unit.world_size,
+                                                     unit.rank)))
     module._fsdp_unit = unit  # a plain attribute: not a submodule, not in state_dict
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True, prepend=True)
     module.register_forward_hook(unit.post_forward, always_call=True)  # restore after errors

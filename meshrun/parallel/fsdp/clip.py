@@ -11,7 +11,7 @@ On an N-D mesh (``mesh=``: pipeline x data x tensor parallel) a gradient block c
 several ranks, and which ones depends on the strategies that cut the parameter, so each rank
 weights its blocks instead. A parameter of a pipeline stage lives on the
 ``R = world_size / mesh.size("pp")`` ranks of that stage; cut over groups of sizes
-``n_1, n_2, ...`` (`meshrun.parallel.layout.sharded_over`: its TP group, then its FSDP group),
+``n_1, n_2, ...`` (its `meshrun.parallel.placement` record: its TP group, then its FSDP group),
 each distinct block is held by ``R / (n_1 n_2 ...)`` of them. A rank therefore adds
 ``||g||_p^p * n_1 n_2 ... / R`` per local gradient, and one ``all_reduce`` (SUM) over the world
 counts every block of every stage exactly once (MAX for ``inf``, no weights: a copy does not
@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from meshrun.parallel.layout import sharded_over
+from meshrun.parallel import placement
 
 
 @torch.no_grad()
@@ -73,13 +73,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     for p in parameters:
         if p.grad is None:
             continue
-        unit = getattr(p, "_fsdp_unit", None)
-        if unit is None:
+        fsdp = [c.group for c in placement.of(p).cuts if c.strategy == "fsdp"]
+        if not fsdp:
             replicated.append(p.grad)
             continue
         sharded.append(p.grad)
-        if not any(unit.group is g for g in groups):
-            groups.append(unit.group)
+        if not any(fsdp[0] is g for g in groups):
+            groups.append(fsdp[0])
     if len(groups) > 1:
         raise ValueError(f"clip_grad_norm_: the parameters are sharded over {len(groups)} "
                          f"different process groups; clip each group's parameters separately "
@@ -111,7 +111,7 @@ def _mesh_norm(params: list[torch.Tensor], norm_type: float, mesh) -> torch.Tens
             local = norms.max()
         else:
             # each distinct block is held by stage_ranks / prod(shard group sizes) ranks
-            weights = torch.tensor([math.prod(dist.get_world_size(g) for g in sharded_over(p))
+            weights = torch.tensor([math.prod(c.size for c in placement.of(p).cuts)
                                     / stage_ranks for p in params],
                                    dtype=torch.float32, device=device)
             local = (norms ** norm_type * weights).sum()

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.parallel import placement
+
 TensorOrTuple = torch.Tensor | tuple[torch.Tensor, ...]
 
 
@@ -72,9 +74,9 @@ class PipelineStage:
             raise ValueError(f"PipelineStage: stage {stage_index} belongs on pipeline rank "
                              f"{stage_index % group_size} (stage % {group_size}), but this is "
                              f"pipeline rank {group_rank}")
-        if device is None:
+        if device is None:  # the parameters' device; without any, the group's (nccl: CUDA)
             first = next(submodule.parameters(), None)
-            device = first.device if first is not None else torch.device("cpu")
+            device = first.device if first is not None else _group_device(group)
         self.submodule = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -83,6 +85,8 @@ class PipelineStage:
         self.group_size = group_size
         self.device = torch.device(device)
         self.input_meta = None if input_args is None else tensor_meta(as_tuple(input_args))
+        for p in submodule.parameters():  # ownership, in each parameter's placement record
+            placement.record(p, placement.of(p).owned_by(stage_index))
 
     @property
     def is_first(self) -> bool:
@@ -230,3 +234,11 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
     return type(value).__name__
+
+
+def _group_device(group) -> torch.device:
+    """Where a parameterless stage receives: NCCL moves only CUDA tensors (on this rank's
+    current device); gloo and a world of one without a group, the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
