@@ -257,7 +257,7 @@ class ColwiseParallel(ParallelStyle):
             return
         spec: ShardSpec = module.weight._meshrun_tp_spec
         seq_dim = self.input_layouts.dim if isinstance(self.input_layouts, Shard) else None
-        pad_mask = _pad_mask(spec, tp)
+        pad_mask = _pad_mask(spec, tp, module.weight.device)
         chunks = self.chunks
 
         def linear_forward(mod, x):
@@ -601,12 +601,14 @@ def _make_shard(full: nn.Parameter, spec: ShardSpec, tp: _TP) -> nn.Parameter:
     return shard
 
 
-def _pad_mask(spec: ShardSpec, tp: _TP) -> torch.Tensor | None:
+def _pad_mask(spec: ShardSpec, tp: _TP, device: torch.device) -> torch.Tensor | None:
+    """The padded vocabulary rows of this rank's output (True: -inf), on ``device`` (the
+    weight's: masked_fill needs the mask where the logits are), or None if it holds none."""
     if spec.padded == spec.size:
         return None
     rows = spec.padded // tp.size
     mask = torch.arange(tp.rank * rows, (tp.rank + 1) * rows) >= spec.size
-    return mask if bool(mask.any()) else None
+    return mask.to(device) if bool(mask.any()) else None
 
 
 def _register_state_dict_hooks(module: nn.Module, names: list[str]) -> None:
