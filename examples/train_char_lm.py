@@ -265,10 +265,11 @@ class StopRequest:
 
     Every rank must take part in the save, so the ranks agree first (one all-reduce MAX of a
     flag per step: cheap next to a step) and save together even if the signal reached only
-    some of them."""
+    some of them. The flag lives on ``device`` (the model's: NCCL reduces only CUDA tensors)."""
 
-    def __init__(self):
+    def __init__(self, device):
         self.signum = 0
+        self.device = device
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 
@@ -276,7 +277,7 @@ class StopRequest:
         self.signum = signum
 
     def agreed(self):
-        flag = torch.tensor([self.signum])
+        flag = torch.tensor([self.signum], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
@@ -569,7 +570,7 @@ def main(argv=None):
 
     warmup = max(1, args.steps // 20)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    stop = StopRequest() if args.checkpoint_dir else None
+    stop = StopRequest(device) if args.checkpoint_dir else None
     n_windows = (len(data) - 1) // args.block_size
     t0 = time.perf_counter()
     for step in range(start, args.steps):
