@@ -230,18 +230,26 @@ def checkpoint_state(par, optimizer, step, position, global_batch):
             "rng": torch.get_rng_state()}
 
 
-def save_checkpoint(ckpt_dir, state, step, keep=2):
-    """Write ``<ckpt_dir>/step_<step>`` (a collective), then drop all but the newest ``keep``."""
+def save_checkpoint(ckpt_dir, state, step, keep=2, background=False):
+    """Write ``<ckpt_dir>/step_<step>`` (a collective), then drop all but the newest ``keep``.
+
+    ``background``: copy the state to host memory and write it while training goes on (the
+    periodic saves); the next save joins it. The last save and the one on a signal are not:
+    the process is about to exit."""
     from meshrun.parallel import checkpoint
 
     state["rng"] = torch.get_rng_state()
     path = os.path.join(ckpt_dir, f"step_{step}")
     t0 = time.perf_counter()
-    checkpoint.save(state, path)
+    checkpoint.save(state, path, async_=background)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        size = sum(f.stat().st_size for f in os.scandir(path))
-        print(f"saved {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - t0:.2f} s)",
-              flush=True)
+        if background:
+            print(f"saving {path} in the background (training paused "
+                  f"{time.perf_counter() - t0:.2f} s)", flush=True)
+        else:
+            size = sum(f.stat().st_size for f in os.scandir(path))
+            print(f"saved {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - t0:.2f} s)",
+                  flush=True)
         steps = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
                        if n.startswith("step_") and n[5:].isdigit())
         for old in steps[:-keep]:
@@ -604,7 +612,8 @@ def main(argv=None):
         signum = stop.agreed()
         if signum or done % args.checkpoint_every == 0 or done == args.steps:
             state.update(step=done, data={"position": position, "global_batch": global_batch})
-            save_checkpoint(args.checkpoint_dir, state, done)
+            save_checkpoint(args.checkpoint_dir, state, done,
+                            background=not signum and done != args.steps)
         if signum:
             if master:
                 print(f"stopped by signal {signum}: saved step {done}", flush=True)

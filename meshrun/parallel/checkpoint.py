@@ -47,6 +47,7 @@ Mirrors ``torch.distributed.checkpoint.save`` / ``load`` with
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import os
@@ -158,9 +159,10 @@ class AsyncSave:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self) -> None:
-        """Block until the checkpoint is in place; raise the error the write met, if any."""
-        self._thread.join()
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is in place (or ``timeout`` seconds have passed); raise
+        the error the write met, if any."""
+        self._thread.join(timeout)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -174,6 +176,17 @@ def wait() -> None:
         pending.wait()
 
 
+@atexit.register
+def _finish_at_exit() -> None:
+    """A script that ends (or raises) while a background save is writing: finish it, so the
+    checkpoint it staged is not lost; bounded, since a peer that died cannot finish its part
+    (the previous checkpoint then stays the newest)."""
+    if _pending is not None and not _pending.done():
+        with contextlib.suppress(BaseException):
+            _pending.wait(timeout=EXIT_WAIT_S)
+
+
+EXIT_WAIT_S = 60.0
 _pending: AsyncSave | None = None
 _group = None  # the background saves' own process group, made at the first
 

@@ -50,7 +50,7 @@ def test_restart_resumes_from_checkpoint(tmp_path, torch_ddp_output):
                      launcher_args=("--max-restarts", "1"), timeout=120)
     assert "failing on purpose" in resumed.output
     assert "resumed from step 10" in resumed.output, resumed.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_15", "step_20"]  # newest two
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]  # newest two
     assert final_loss(resumed.output) == pytest.approx(final_loss(torch_ddp_output), abs=2e-4)
 
 
