@@ -7,12 +7,17 @@ model with an explicit process group or mesh; there are no module-level global g
 - `Mesh`: named N-D mesh of ranks, one process group per axis.
 - `ddp()`: data parallelism with bucketed, overlapped gradient all-reduce.
 - `agree_num_batches()`: uneven inputs; every rank runs the minimum number of batches.
-- `fully_shard()` + `MixedPrecisionPolicy`, `clip_grad_norm_()`, `full_state_dict()`: FSDP
-  (ZeRO-3), parameters sharded on dim 0, named as torch's FSDP2.
+- `fully_shard()` + `MixedPrecisionPolicy`, `clip_grad_norm_()`: FSDP (ZeRO-3), parameters
+  sharded on dim 0, named as torch's FSDP2.
+- `placement`: one record per parameter (global shape, the pieces this rank holds, which group
+  cuts which dim, the owning pipeline stage); the strategies write it, everything else reads
+  it. So ``model.state_dict()`` holds DTensors of the unsplit shapes (TP, FSDP, TP x FSDP:
+  torch DCP saves the unsplit model) and `full_state_dict()` gathers full tensors onto the
+  first rank, at any layout.
 - `gradient_sync()`: switch gradient synchronisation off for the first backwards of an
   accumulation, under FSDP or DDP alike.
 - `checkpoint` (``save``, ``load``, ``latest``, ``model_state``, ``optimizer_state``):
-  distributed checkpoints that reshard on load (`layout` says which blocks a rank holds).
+  distributed checkpoints that reshard on load (`placement` says which blocks a rank holds).
 - `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step).
 - `parallelize()` + `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, ...: tensor and
   sequence parallelism (Megatron); `vocab_parallel_cross_entropy()`; `RNGTracker`.

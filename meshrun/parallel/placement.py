@@ -415,12 +415,19 @@ def _dtensor_rows(length: int, size: int, rank: int) -> tuple[int, int]:
 
 def _not_a_dtensor(placement: Placement) -> str | None:
     """Why the placement is not ``Shard`` on every cut (checked at every rank), else None."""
-    if any(c.chunks > 1 for c in placement.cuts):
+    return _dtensor_problem(tuple(placement.global_shape),
+                            tuple(replace(c, group=None, rank=0) for c in placement.cuts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _dtensor_problem(shape: tuple[int, ...], cuts: tuple[Cut, ...]) -> str | None:
+    """`_not_a_dtensor` of a shape and group-free cuts (cached: it visits every rank)."""
+    if any(c.chunks > 1 for c in cuts):
         return "fused TP chunks: each rank holds several blocks"
-    for ranks in itertools.product(*(range(c.size) for c in placement.cuts)):
-        _, got = _layout(placement.global_shape, placement.cuts, ranks)
-        offsets, sizes = [0] * len(placement.global_shape), list(placement.global_shape)
-        for cut, r in zip(placement.cuts, ranks, strict=True):
+    for ranks in itertools.product(*(range(c.size) for c in cuts)):
+        _, got = _layout(torch.Size(shape), cuts, ranks)
+        offsets, sizes = [0] * len(shape), list(shape)
+        for cut, r in zip(cuts, ranks, strict=True):
             start, sizes[cut.dim] = _dtensor_rows(sizes[cut.dim], cut.size, r)
             offsets[cut.dim] += start
         if not all(sizes):

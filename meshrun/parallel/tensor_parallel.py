@@ -41,6 +41,15 @@ Tied weights (an Embedding and the output Linear sharing one Parameter) stay tie
 vocabulary-sharded the same way and share one local shard. A tied parameter used by a
 module outside the plan, or sharded differently by two styles, is refused, naming both.
 
+State dicts: each sharded parameter's `meshrun.parallel.placement` record says what its shard
+is, so ``state_dict()`` gives it as a ``DTensor`` of the unsplit shape, ``Shard(dim)`` on a
+1-D DeviceMesh of the TP group, its local tensor this rank's valid rows (a padded vocabulary
+keeps ``ceil(V / P)`` rows per rank, so the valid rows are ``torch.chunk`` 's, as with
+DTensor's ``Shard``); torch DCP saves that as the unsplit model. Fused chunks (``chunks > 1``)
+are not a DTensor layout: ``state_dict()`` raises ValueError naming the parameter (save with
+`meshrun.parallel.checkpoint`, or gather with ``full_state_dict()``). ``load_state_dict``
+accepts those DTensors, full tensors, or local shards.
+
 Dropout: modules under `SequenceParallel` or `ShardedDropout` run under the per-TP-rank
 stream of an `RNGTracker` (their activations are sharded); every other random op draws from
 the default stream, which must be the same on every TP rank (checked at `parallelize` when

@@ -175,7 +175,6 @@ class Unit:
         self.full: list[torch.Tensor] | None = None  # unsharded tensors of the latest forward
         self.gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # in flight
         self.grad_accum: torch.Tensor | None = None  # packed gradients of unsynced backwards
-        self.device_mesh = None  # built on first state_dict()
         self.layout = ShardLayout([p.shape for p in params], self.world_size, self.rank)
         self.dtype = params[0].dtype if params else torch.float32
         self.device = params[0].device if params else torch.device("cpu")
@@ -345,24 +344,6 @@ class Unit:
                 p.grad = g
             else:
                 p.grad += g
-
-    # -- state dict -------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def gather_to_rank0(self) -> list[torch.Tensor] | None:
-        """Full parameters (original dtype, CPU) on group rank 0; None elsewhere. One gather."""
-        if not self.params:
-            return [] if self.rank == 0 else None
-        n, numel = self.world_size, self.layout.shard_numel
-        buffer = torch.empty(n * numel, dtype=self.dtype, device=self.device) if (
-            self.rank == 0) else None
-        rows = list(buffer.view(n, numel).unbind(0)) if buffer is not None else None
-        dist.gather(self.sharded, rows, group=self.group, group_dst=0)
-        if buffer is None:
-            return None
-        full = [torch.empty(s.shape, dtype=self.dtype) for s in self.layout.slots]
-        self.layout.unpack(buffer.cpu(), full)
-        return full
 
 
 # -------------------------------------------------------------------------------------------
