@@ -107,3 +107,22 @@ def test_bad_layout_is_one_line_and_exit_2():
     assert run.returncode == 2, run.output
     assert sum(line in text for text in run.output.splitlines()) >= 1, run.output
     assert "Traceback" not in run.output, run.output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("before", "after"), [
+    (("--tp", "2"), ("--pp", "2")),
+    (("--dp-mode", "fsdp"), ("--tp", "2", "--dp-mode", "fsdp")),
+])
+def test_resume_at_another_layout_equals_never_resharding(tmp_path, before, after):
+    """Train to step 12 at one layout (periodic saves in the background), fail, resume from
+    step 10 at another: the loss at step 20 is that of a run at the first layout that never
+    saved (the global batch is the first layout's: the example keeps it across a resize)."""
+    never = launch(EXAMPLE, 2, (*ARGS, *before), timeout=120).output
+    first = launch(EXAMPLE, 2, (*ARGS, *before, "--checkpoint-dir", str(tmp_path),
+                                "--checkpoint-every", "5", "--fail-at-step", "12"),
+                   timeout=120, check=False)
+    assert first.returncode != 0 and (tmp_path / "step_10").is_dir(), first.output
+    rest = launch(EXAMPLE, 2, (*ARGS, *after, "--checkpoint-dir", str(tmp_path)), timeout=120)
+    assert "resumed from step 10" in rest.output, rest.output
+    assert final_loss(rest.output) == pytest.approx(final_loss(never), abs=2e-4)
