@@ -34,8 +34,9 @@ barrier to the end of the final join on each rank; the slower rank counts. Each 
 per side (meshrun, DCP), the loop without saves, with sync saves and with async saves (the
 order of the sides and of the three loops alternating between rounds), after one untimed
 warm-up round (loops of one step, a save, one step: the first save in a process pays DCP's
-one-time costs and meshrun's background group). Checkpoints go to distinct ``step_<k>`` directories under
-``--root`` (default: the temp directory), removed after each loop, outside the timings.
+one-time costs and meshrun's background group). Checkpoints go to distinct ``step_<k>``
+directories under ``--root`` (default: the temp directory), removed after each loop, outside
+the timings.
 
 Measured, medians over ``--rounds`` rounds (per save, for stall and total):
 
