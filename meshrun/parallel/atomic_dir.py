@@ -14,11 +14,17 @@ the filesystem cannot exchange (EINVAL: some network filesystems), the old one i
 holder dies, so a killed job never leaves a stale lock; the holder writes its host and pid into
 the file for the error message of the job it turns away.
 
+Nothing here touches a directory meshrun did not write: every directory `begin` makes holds a
+``.meshrun-checkpoint`` marker (it travels with the rename), `sweep` removes or restores only
+marked directories, and `check_target` refuses to replace a directory that is not a checkpoint
+(a project folder, ``.``) or a symbolic link.
+
 Only rank 0 (of the saving group) calls these; `checkpoint` tells the others the outcome.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -29,6 +35,7 @@ import socket
 PARTIAL = ".partial"
 OLD = ".old"
 LOCK_NAME = ".meshrun-save.lock"
+MARKER = ".meshrun-checkpoint"
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -57,22 +64,76 @@ class DirLock:
             raise SaveInProgress(
                 f"checkpoint.save: another save is writing into {directory} ({holder}); two "
                 f"jobs must not share a checkpoint directory: give each job its own") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"held by {socket.gethostname()} pid {os.getpid()}\n".encode())
         self.fd = fd
+        _HELD.add(self)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"held by {socket.gethostname()} pid {os.getpid()}\n".encode())
+        except OSError:  # a full disk: the lock holds without the note
+            pass
 
     def release(self) -> None:
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = None
+            _HELD.discard(self)
+
+
+# A child forked during a save (a DataLoader worker) shares the lock's open file: it closes its
+# descriptor at once, so the lock goes when the saving process releases it.
+_HELD: set[DirLock] = set()
+
+
+def _close_in_child() -> None:
+    for lock in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(lock.fd)
+        lock.fd = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def check_target(path: str) -> None:
+    """Refuse a ``path`` that a save must not replace.
+
+    Raises:
+        FileExistsError: ``path`` is a symbolic link, a file, or a directory that holds
+            something other than a checkpoint (replacing it would delete it).
+    """
+    if os.path.islink(path):
+        raise FileExistsError(f"checkpoint.save: {path} is a symbolic link; save to the "
+                              f"directory it points to ({os.path.realpath(path)}) instead")
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise FileExistsError(f"checkpoint.save: {path} exists and is not a directory")
+    if os.listdir(path) and not is_checkpoint(path):
+        raise FileExistsError(f"checkpoint.save: {path} is a directory that is not a "
+                              f"checkpoint (no .metadata); saving there would replace it: "
+                              f"choose another path")
+
+
+def is_checkpoint(path: str) -> bool:
+    """A directory a save wrote (its marker, or DCP's ``.metadata`` for older saves)."""
+    return (os.path.exists(os.path.join(path, MARKER))
+            or os.path.exists(os.path.join(path, ".metadata")))
 
 
 def begin(path: str) -> str:
     """A fresh, empty ``<path>.partial`` to write into; returns its path."""
     partial = path + PARTIAL
-    shutil.rmtree(partial, ignore_errors=True)
+    if os.path.lexists(partial):
+        if os.path.islink(partial) or not os.path.exists(os.path.join(partial, MARKER)):
+            raise FileExistsError(f"checkpoint.save: {partial} exists and is not a save in "
+                                  f"progress of meshrun's; move it away")
+        shutil.rmtree(partial)
     os.makedirs(partial)
+    with open(os.path.join(partial, MARKER), "w"):
+        pass
     return partial
 
 
@@ -94,16 +155,19 @@ def commit(partial: str, path: str) -> None:
 
 
 def sweep(directory: str) -> None:
-    """Remove what killed saves left in ``directory``: every ``*.partial``; a ``<name>.old``
-    whose ``<name>`` is gone (killed between the fallback's two renames) becomes ``<name>``
-    again. Call it holding the directory's `DirLock`, so no live save is swept."""
+    """Remove what killed saves left in ``directory``: every marked ``*.partial``; a marked
+    ``<name>.old`` whose ``<name>`` is gone (killed between the fallback's two renames) becomes
+    ``<name>`` again. Unmarked directories are the user's and stay. Call it holding the
+    directory's `DirLock`, so no live save is swept."""
     if not os.path.isdir(directory):
         return
     for name in os.listdir(directory):
         full = os.path.join(directory, name)
-        if name.endswith(PARTIAL) and os.path.isdir(full):
+        if os.path.islink(full) or not os.path.exists(os.path.join(full, MARKER)):
+            continue
+        if name.endswith(PARTIAL):
             shutil.rmtree(full, ignore_errors=True)
-        elif name.endswith(OLD) and os.path.isdir(full):
+        elif name.endswith(OLD):
             current = full[:-len(OLD)]
             if os.path.lexists(current):
                 shutil.rmtree(full, ignore_errors=True)

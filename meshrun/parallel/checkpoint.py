@@ -52,6 +52,7 @@ import contextlib
 import copy
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Iterable
@@ -102,7 +103,11 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
         None; with ``async_``, the `AsyncSave` handle (``handle.wait()``).
 
     Raises:
-        FileExistsError: ``path`` exists and is not a directory.
+        FileExistsError: ``path`` is a symbolic link, a file, or a directory that is not a
+            checkpoint (it would be replaced); or a foreign ``<path>.partial`` is in the way.
+        RuntimeError: another rank failed to read its state (the message names it); every
+            rank raises, none is left waiting.
+        ValueError: optimizer state that cannot be resharded (see `optimizer_state`).
         SaveInProgress: another job (or an unjoined save) is writing into ``path``'s parent
             directory.
         OSError: the filesystem refused a write (every rank raises; ``path`` is untouched).
@@ -113,11 +118,11 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
     """
     wait()  # one save at a time: the previous background write finishes first
     path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"checkpoint.save: {path} exists and is not a directory")
+    group = _background_group() if async_ else None  # collective: before anything can fail
     lock, error = None, None
     if _rank() == 0:  # the lock, the sweep and the .partial directory are rank 0's
         try:
+            atomic_dir.check_target(path)
             lock = atomic_dir.DirLock(os.path.dirname(path))
             atomic_dir.sweep(os.path.dirname(path))  # left by killed saves (not ours: locked)
             atomic_dir.begin(path)
@@ -126,16 +131,25 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
             if lock is not None:
                 lock.release()
     _agree(error, None)
-    if not async_:
+    try:
+        # Each rank reads its state (and copies it, for a background write) before any of
+        # DCP's collectives: a rank that fails here must not leave the others waiting.
+        error = None
         try:
-            _write(state, path, None)
-        finally:
-            if lock is not None:
-                lock.release()
-        return None
-    global _pending
-    _pending = AsyncSave(_stage(state), path, _background_group(), lock)
-    return _pending
+            resolved = _stage(state, copy_tensors=async_)
+        except Exception as e:
+            error = e
+        _agree_all(error)
+        if not async_:
+            _write(resolved, path, None)
+            return None
+        global _pending
+        _pending = AsyncSave(resolved, path, group, lock)
+        lock = None  # the background thread releases it
+        return _pending
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class AsyncSave:
@@ -160,8 +174,8 @@ class AsyncSave:
         return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is in place (or ``timeout`` seconds have passed); raise
-        the error the write met, if any."""
+        """Block until the checkpoint is in place (or ``timeout`` seconds have passed: check
+        `done`); raise the error the write met, if any."""
         self._thread.join(timeout)
         if self._error is not None:
             error, self._error = self._error, None
@@ -181,9 +195,17 @@ def _finish_at_exit() -> None:
     """A script that ends (or raises) while a background save is writing: finish it, so the
     checkpoint it staged is not lost; bounded, since a peer that died cannot finish its part
     (the previous checkpoint then stays the newest)."""
-    if _pending is not None and not _pending.done():
-        with contextlib.suppress(BaseException):
+    if _pending is not None:
+        try:
             _pending.wait(timeout=EXIT_WAIT_S)
+        except BaseException as e:
+            print(f"checkpoint: the background save to {_pending.path} failed: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return
+        if not _pending.done():
+            print(f"checkpoint: the background save to {_pending.path} did not finish in "
+                  f"{EXIT_WAIT_S:.0f} s at exit; the previous checkpoint stays the newest",
+                  file=sys.stderr, flush=True)
 
 
 EXIT_WAIT_S = 60.0
@@ -327,6 +349,14 @@ class OptimizerState(Stateful):
                 for key, value in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(value) and value.dim() and value.shape == p.shape:
                         entries[key] = ShardedBlocks.of(value, p)
+                    elif torch.is_tensor(value) and value.dim() and _is_split(p):
+                        raise ValueError(
+                            f"checkpoint.optimizer_state: {self.names[id(p)]}: state "
+                            f"{key!r} of shape {tuple(value.shape)} is neither a scalar nor "
+                            f"shaped like its parameter's shard {tuple(p.shape)} (a factored "
+                            f"optimizer such as Adafactor); it cannot be resharded, and saving "
+                            f"one rank's copy would be wrong: use an unfactored optimizer "
+                            f"with sharded parameters")
                     else:
                         entries[key] = value
                 state[self.names[id(p)]] = entries
@@ -523,17 +553,20 @@ def _write(state: dict, path: str, group) -> None:
     _agree(error, group)
 
 
-def _stage(state: dict) -> dict:
-    """A host copy of everything ``state`` would write (Statefuls read through their
-    ``state_dict``), for a background write that the training loop cannot disturb."""
+def _stage(state: dict, copy_tensors: bool) -> dict:
+    """Everything ``state`` would write, Statefuls read through their ``state_dict``; with
+    ``copy_tensors`` a host copy, for a background write that the training loop cannot
+    disturb (else the tensors themselves)."""
     out = {}
     for key, value in state.items():
         if isinstance(value, Stateful):
             value = value.state_dict()
         if isinstance(value, dict):
-            out[key] = _stage(value)
+            out[key] = _stage(value, copy_tensors)
         elif isinstance(value, list):
-            out[key] = [_stage({"v": v})["v"] for v in value]
+            out[key] = [_stage({"v": v}, copy_tensors)["v"] for v in value]
+        elif not copy_tensors:
+            out[key] = value
         elif isinstance(value, ShardedBlocks):
             out[key] = ShardedBlocks(value.local.detach().to("cpu", copy=True), value.shape,
                                      value.pieces)
@@ -570,6 +603,20 @@ def _agree(error: BaseException | None, group) -> None:
         raise error
 
 
+def _agree_all(error: BaseException | None) -> None:
+    """Raise on every rank if any rank has an ``error`` (a collective over the world): the
+    failing rank raises its own, the others a RuntimeError naming it."""
+    if dist.is_initialized():
+        notes = [None] * dist.get_world_size()
+        dist.all_gather_object(notes, None if error is None
+                               else f"{type(error).__name__}: {error}")
+        if error is None and any(notes):
+            rank, note = next((r, n) for r, n in enumerate(notes) if n)
+            raise RuntimeError(f"checkpoint.save: rank {rank} failed before writing: {note}")
+    if error is not None:
+        raise error
+
+
 def _read_checked(reader, path: str):
     """The checkpoint's metadata, after checking that every file it names is whole.
 
@@ -597,6 +644,11 @@ def _read_checked(reader, path: str):
             raise ValueError(f"checkpoint.load: {file} is damaged (truncated: {size} bytes, "
                              f"the checkpoint needs {end}); load an earlier checkpoint")
     return metadata
+
+
+def _is_split(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds less than its whole global tensor on this rank."""
+    return tuple(layout.global_shape(param)) != tuple(param.shape)
 
 
 def _optimizer_states(state: dict, prefix: str = ""):

@@ -67,7 +67,7 @@ def test_fallback_replace_left_half_done_is_repaired(tmp_path):
 
     checkpoint.save({"w": torch.arange(4.0), "version": 1}, tmp_path / "latest")
     os.rename(tmp_path / "latest", tmp_path / "latest.old")  # the kill moment
-    (tmp_path / "step_9.partial").mkdir()
+    atomic_dir.begin(str(tmp_path / "step_9"))  # a save killed while writing
     atomic_dir.sweep(str(tmp_path))
     assert not (tmp_path / "latest.old").exists() and not (tmp_path / "step_9.partial").exists()
     state = {"w": torch.zeros(4), "version": 0}
@@ -180,3 +180,51 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path):
     gone.unlink()
     with pytest.raises(FileNotFoundError, match=rf"{gone} is missing"):
         checkpoint.load({"w": torch.zeros(1000), "step": 0}, tmp_path / "missing")
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    from tests.parallel.harness import launch
+
+    result = launch("save_fails_on_one_rank.py", 2, (str(tmp_path),), timeout=80)
+    for rank, r in enumerate(result.results):
+        assert r.get("every_rank_raises") == "ok", f"rank {rank}: {r}"
+
+
+def test_save_never_replaces_or_sweeps_what_it_did_not_write(tmp_path):
+    import torch
+
+    from meshrun.parallel import checkpoint
+
+    project = tmp_path / "proj"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "important.py").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a checkpoint"):
+        checkpoint.save({"w": torch.ones(2)}, project)
+    assert (project / "src" / "important.py").read_text() == "keep me"
+    for name in ("data.partial", "results.old", "notes.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text(name)
+    (tmp_path / "results").mkdir()
+    checkpoint.save({"w": torch.ones(2)}, tmp_path / "step_1")
+    for name in ("data.partial", "results.old", "notes.old"):
+        assert (tmp_path / name / "file").read_text() == name, name
+    assert not (tmp_path / "notes").exists()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        checkpoint.save({"w": torch.ones(2)}, tmp_path / "link")
+
+
+def test_a_save_that_fails_early_releases_the_lock(tmp_path):
+    import threading
+
+    import torch
+
+    from meshrun.parallel import checkpoint
+
+    with pytest.raises(TypeError):
+        checkpoint.save({"w": torch.ones(2), "bad": threading.Lock()}, tmp_path / "step_1",
+                        async_=True)
+    checkpoint.save({"w": torch.ones(2)}, tmp_path / "step_2")  # not SaveInProgress
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step_2")
