@@ -89,9 +89,11 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
 
     Args:
         state: a dict of tensors, `ModelState` / `OptimizerState` (or any DCP ``Stateful``),
-            nested dicts, and small picklable values (ints, floats, strings: written once,
-            by rank 0). Tensors that are not parameters are taken as replicated: rank 0's copy
-            is written.
+            nested dicts, and small picklable values (ints, floats, strings). Values and
+            tensors that are not parameters are taken as replicated: one rank's copy is
+            written (torch DCP's deduplication picks which), and every rank loads it; a
+            per-rank value (each rank's own RNG state) needs a key per rank
+            (``f"rng_{rank}"``).
         path: the checkpoint directory; it must not exist yet, or it is replaced in one step
             (`meshrun.parallel.atomic_dir`): a kill at any moment leaves either the previous
             checkpoint or the new one under ``path``, complete.

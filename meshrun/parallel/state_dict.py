@@ -39,7 +39,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     Returns:
         On the first rank: a dict, in ``module.state_dict()`` order, of CPU tensors in the
         parameters' dtype, with the unsplit shapes. The first rank is rank 0 of every group
-        a parameter is cut over; when nothing is cut, global rank 0. Elsewhere ``{}``.
+        a parameter is cut over; when nothing is cut, every rank that holds the pipeline
+        stage (each data-parallel replica of it, under ``ddp``), or global rank 0 when the
+        module is not a pipeline stage. Elsewhere ``{}``.
 
     Raises:
         ValueError: the module holds DTensors that meshrun did not make.
@@ -49,7 +51,10 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     by_key = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
     placements = {key: placement.of(p) for key, p in by_key.items()}
     cut = [c for pl in placements.values() for c in pl.cuts]
-    first = all(c.rank == 0 for c in cut) if cut else dist.get_rank() == 0
+    if cut:
+        first = all(c.rank == 0 for c in cut)
+    else:  # nothing cut: a pipeline stage is whole on its rank(s); else global rank 0 has it
+        first = any(pl.stage is not None for pl in placements.values()) or dist.get_rank() == 0
     gathered: dict[int, torch.Tensor | None] = {}  # id(param) -> full (tied: one gather)
     out: dict[str, torch.Tensor] = {}
     for key, value in local.items():

@@ -18,7 +18,7 @@ from tests.parallel.harness import launch
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("layout", "nproc"), [("tp", 2), ("fsdp", 2), ("tp_fsdp", 4),
-                                               ("pp_fsdp", 4)])
+                                               ("pp_fsdp", 4), ("pp", 2)])
 def test_state_dicts_are_the_unsplit_model(tmp_path, layout, nproc):
     result = launch("state_dict_worker.py", nproc, (layout, str(tmp_path)), timeout=100)
     for rank, checks in enumerate(result.results):

@@ -1,7 +1,7 @@
 """State dicts under one layout equal the unsplit model's, whole: `state_dict()` saved with torch
 DCP and converted to a ``torch.save`` file, and `full_state_dict()`.
 
-    state_dict_worker.py tp|fsdp|tp_fsdp|pp_fsdp DIR
+    state_dict_worker.py tp|fsdp|tp_fsdp|pp_fsdp|pp DIR
 
 The model (fixed seed) has a vocabulary not divisible by TP (11 rows, padded to 12 under TP 2),
 a TP shard with an odd number of rows (``fc1``: 6 -> 3 per TP rank, 2 and 1 per FSDP rank),
@@ -165,6 +165,21 @@ def main():
         if is_first(model):
             assert_equal(full, want, "full_state_dict with qkv")
 
+    def check_pipeline_only_full_state_dict(ctx):
+        """PP 2 and nothing else: each stage's keys on that stage's rank (none is lost)."""
+        torch.manual_seed(0)
+        model, reference = Net(), Net()
+        reference.load_state_dict(model.state_dict())
+        split = [split_into_stages(m.blocks, 2, first=m.emb,
+                                   last=nn.Sequential(m.norm, m.head)) for m in (model, reference)]
+        mine = split[0][ctx.rank]
+        PipelineStage(mine, ctx.rank, 2, dist.group.WORLD)
+        assert_equal(full_state_dict(mine), split[1][ctx.rank].state_dict(),
+                     f"full_state_dict of stage {ctx.rank}")
+
+    if layout == "pp":
+        run_checks([check_pipeline_only_full_state_dict])
+        return
     checks = [check_dcp_save_is_the_unsplit_model, check_full_state_dict,
               check_load_state_dict]
     if layout.startswith("tp"):
