@@ -75,6 +75,30 @@ def stop_round(popens: list[subprocess.Popen], tag_env: str, tag: str, directory
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def print_start() -> float:
+    """A benchmark's first lines: its command and the machine's cores and load average; returns
+    ``time.monotonic()`` for `print_end`."""
+    import shlex
+    import sys
+    import time
+
+    print("command: " + shlex.join([Path(sys.executable).name, *sys.argv]))
+    load0 = os.getloadavg()
+    print(f"machine: {os.cpu_count()} cores, load average {load0[0]:.2f} {load0[1]:.2f} "
+          f"{load0[2]:.2f} at start\n")
+    return time.monotonic()
+
+
+def print_end(began: float, lead: str = "") -> None:
+    """A benchmark's last line (after ``lead``): the load average and the seconds since
+    ``began``."""
+    import time
+
+    load1 = os.getloadavg()
+    print(f"{lead}machine: load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at end; "
+          f"{time.monotonic() - began:.0f} s in all")
+
+
 def make_char_lm():
     """The example's char LM with its batches and loss: ``(model, batch(step, rank), loss_fn)``.
 
@@ -96,3 +120,138 @@ def make_char_lm():
         return m(x, y)
 
     return model, batch, loss_fn
+
+
+# -- the checkpoint benchmarks' 2-rank workers (elastic.py part 2, ckpt_stall.py) -------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def init_gloo_pair(rank: int, port: int) -> None:
+    """Worker side: ``REPO`` on ``sys.path`` (for meshrun), warnings off, one intra-op thread,
+    and a 2-rank gloo process group on 127.0.0.1:``port`` (900 s timeout)."""
+    import sys
+    import warnings
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO))
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+
+
+def local(t):
+    """A DTensor's local shard; any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def stack_step(model, opt, x) -> None:
+    """One training step of a `build_stack` model: ``square().mean()`` loss on ``x``."""
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def build_stack(side: str, width: int, n_layers: int, lr: float, x):
+    """``n_layers`` x nn.Linear(width, width) + ReLU and a nn.Linear(width, 16) head (seed 0),
+    sharded each layer then the root with meshrun's fully_shard (``side == "meshrun"``) or
+    torch FSDP2 (``"dcp"``), with AdamW(lr) after one `stack_step` on ``x``:
+    ``(model, opt, n_params)``."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from meshrun.parallel import fully_shard as meshrun_fully_shard
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n_layers))
+            self.head = nn.Linear(width, 16)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Stack()
+    n_params = sum(p.numel() for p in model.parameters())
+    if side == "meshrun":
+        for layer in model.layers:
+            meshrun_fully_shard(layer)
+        meshrun_fully_shard(model)
+    else:
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.layers:
+            torch_fully_shard(layer, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    stack_step(model, opt, x)
+    return model, opt, n_params
+
+
+def state_tensors(model, opt) -> list:
+    """This rank's parameters and optimizer state tensors (not scalars such as ``step``)."""
+    import torch
+
+    out = [local(p) for p in model.parameters()]
+    for p in model.parameters():
+        out += [local(v) for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]
+    return out
+
+
+def ckpt_state(side: str, model, opt) -> dict:
+    """``{"model", "optim"}`` to save or load: meshrun's model_state / optimizer_state views
+    (``side == "meshrun"``) or DCP's get_state_dict."""
+    if side == "meshrun":
+        from meshrun.parallel import checkpoint
+
+        return {"model": checkpoint.model_state(model),
+                "optim": checkpoint.optimizer_state(opt, model)}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def save_ckpt(side: str, model, opt, path: str, async_: bool = False, pg=None):
+    """Save with meshrun's checkpoint.save or DCP (state built inside); None for a sync save,
+    a (done, wait) pair for an async one (DCP's async_save over ``pg``)."""
+    state = ckpt_state(side, model, opt)
+    if side == "meshrun":
+        from meshrun.parallel import checkpoint
+
+        if not async_:
+            checkpoint.save(state, path)
+            return None
+        handle = checkpoint.save(state, path, async_=True)
+        return handle.done, handle.wait
+    import torch.distributed.checkpoint as dcp
+
+    if not async_:
+        dcp.save(state, checkpoint_id=path)
+        return None
+    fut = dcp.async_save(state, checkpoint_id=path, process_group=pg)
+    return fut.done, fut.result
+
+
+def load_ckpt(side: str, model, opt, path: str) -> None:
+    """Load in place: meshrun's checkpoint.load, or DCP's load then set_state_dict."""
+    state = ckpt_state(side, model, opt)
+    if side == "meshrun":
+        from meshrun.parallel import checkpoint
+
+        checkpoint.load(state, path)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -75,9 +74,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path[:0] = [str(HERE)]
-from _common import free_port  # noqa: E402 - beside this file
+from _common import free_port, print_end, print_start  # noqa: E402 - beside this file
 
 SIDES = ("meshrun", "dcp")
 MODES = ("none", "sync", "async")
@@ -86,103 +84,28 @@ NAMES = {"meshrun": "meshrun", "dcp": "DCP"}
 POLL_S = 0.005
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def worker(rank: int, port: int, args: dict, base: str, out: str) -> None:
-    import warnings
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from _common import build_stack, init_gloo_pair, load_ckpt, save_ckpt, stack_step, state_tensors
 
-    sys.path.insert(0, str(REPO))
-    from meshrun.parallel import checkpoint
-    from meshrun.parallel import fully_shard as meshrun_fully_shard
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    init_gloo_pair(rank, port)
     dcp_pg = dist.new_group(backend="gloo")  # DCP async_save's own group
     width, n_layers = args["width"], args["layers"]
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n_layers))
-            self.head = nn.Linear(width, 16)
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = torch.relu(layer(x))
-            return self.head(x)
-
     x = torch.randn(args["batch"], width, generator=torch.Generator().manual_seed(rank))
 
     def train_step(model, opt):
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        stack_step(model, opt, x)
 
     def build(side):
-        torch.manual_seed(0)
-        model = Stack()
-        n_params = sum(p.numel() for p in model.parameters())
-        if side == "meshrun":
-            for layer in model.layers:
-                meshrun_fully_shard(layer)
-            meshrun_fully_shard(model)
-        else:
-            mesh = init_device_mesh("cpu", (2,))
-            for layer in model.layers:
-                torch_fully_shard(layer, mesh=mesh)
-            torch_fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        train_step(model, opt)
-        return model, opt, n_params
+        return build_stack(side, width, n_layers, 1e-4, x)
 
-    def tensors(model, opt):
-        out = [_local(p) for p in model.parameters()]
-        for p in model.parameters():
-            out += [_local(v) for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]
-        return out
+    tensors = state_tensors
+    load = load_ckpt
 
     def save(side, mode, model, opt, path):
         """Start a save; return a (done, wait) pair for async, None for sync."""
-        if side == "meshrun":
-            state = {"model": checkpoint.model_state(model),
-                     "optim": checkpoint.optimizer_state(opt, model)}
-            if mode == "sync":
-                checkpoint.save(state, path)
-                return None
-            handle = checkpoint.save(state, path, async_=True)
-            return handle.done, handle.wait
-        msd, osd = get_state_dict(model, opt)
-        if mode == "sync":
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-            return None
-        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path,
-                             process_group=dcp_pg)
-        return fut.done, fut.result
-
-    def load(side, model, opt, path):
-        if side == "meshrun":
-            checkpoint.load({"model": checkpoint.model_state(model),
-                             "optim": checkpoint.optimizer_state(opt, model)}, path)
-        else:
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+        return save_ckpt(side, model, opt, path, async_=mode == "async", pg=dcp_pg)
 
     def watch(done, t0: float, box: list) -> threading.Thread:
         def run():
@@ -217,14 +140,17 @@ def worker(rank: int, port: int, args: dict, base: str, out: str) -> None:
             train_step(model, opt)
             step_times.append(time.perf_counter() - ts)
 
-        for k in range(saves):
+        def steps_then_join():  # E steps, then the previous async save's join (timed)
             for _ in range(every):
                 timed_step()
             if pending is not None:
                 tj = time.perf_counter()
                 pending()
                 joins.append(time.perf_counter() - tj)
-                pending = None
+
+        for k in range(saves):
+            steps_then_join()
+            pending = None
             if mode == "none":  # the same steps, no save
                 continue
             t0 = time.perf_counter()
@@ -234,12 +160,7 @@ def worker(rank: int, port: int, args: dict, base: str, out: str) -> None:
                 box: list[float] = []
                 watchers.append((watch(res[0], t0, box), box))
                 pending = res[1]
-        for _ in range(every):
-            timed_step()
-        if pending is not None:
-            tj = time.perf_counter()
-            pending()
-            joins.append(time.perf_counter() - tj)
+        steps_then_join()
         t_loop = time.perf_counter() - t_start
         for th, box in watchers:
             th.join()
@@ -329,11 +250,7 @@ def main() -> int:
                     help="where to write checkpoints (default: the temp directory)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    print("command: " + shlex.join([Path(sys.executable).name, *sys.argv]))
-    load0 = os.getloadavg()
-    print(f"machine: {os.cpu_count()} cores, load average {load0[0]:.2f} {load0[1]:.2f} "
-          f"{load0[2]:.2f} at start\n")
-    began = time.monotonic()
+    began = print_start()
 
     import torch.multiprocessing as mp
 
@@ -433,9 +350,7 @@ def main() -> int:
           "inside); lost = (loop with saves - same round's loop without) / saves, the joins "
           "and the background writes' competition for the cores included; total = call to "
           "completion (async: seen by a 5 ms poll of done()). Each save: its slower rank.")
-    load1 = os.getloadavg()
-    print(f"\nmachine: load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at end; "
-          f"{time.monotonic() - began:.0f} s in all")
+    print_end(began, "\n")
     return 0
 
 

@@ -73,7 +73,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE)]
-from _common import free_port, kill_tree, stop_round  # noqa: E402 - beside this file
+from _common import free_port, kill_tree, print_end, print_start, stop_round  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 TAG_ENV = "MESHRUN_BENCH_ELASTIC_TAG"  # marks every process a round started, to clean up
@@ -304,88 +304,21 @@ def part1(args: argparse.Namespace) -> None:
 SIDES = ("meshrun", "dcp")
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def ckpt_worker(rank: int, port: int, args: dict, base: str, out: str) -> None:
-    import warnings
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from _common import build_stack, init_gloo_pair, load_ckpt, save_ckpt, state_tensors
 
-    sys.path.insert(0, str(REPO))
-    from meshrun.parallel import checkpoint
-    from meshrun.parallel import fully_shard as meshrun_fully_shard
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    init_gloo_pair(rank, port)
     width, n_layers = args["width"], args["layers"]
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n_layers))
-            self.head = nn.Linear(width, 16)
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = torch.relu(layer(x))
-            return self.head(x)
-
     def build(side):
-        torch.manual_seed(0)
-        model = Stack()
-        n_params = sum(p.numel() for p in model.parameters())
-        if side == "meshrun":
-            for layer in model.layers:
-                meshrun_fully_shard(layer)
-            meshrun_fully_shard(model)
-        else:
-            mesh = init_device_mesh("cpu", (2,))
-            for layer in model.layers:
-                torch_fully_shard(layer, mesh=mesh)
-            torch_fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return model, opt, n_params
+        return build_stack(side, width, n_layers, 1e-3, x)
 
-    def tensors(model, opt):
-        out = [_local(p) for p in model.parameters()]
-        for p in model.parameters():
-            out += [_local(v) for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]
-        return out
-
-    def save(side, model, opt, path):
-        if side == "meshrun":
-            checkpoint.save({"model": checkpoint.model_state(model),
-                             "optim": checkpoint.optimizer_state(opt, model)}, path)
-        else:
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-
-    def load(side, model, opt, path):
-        if side == "meshrun":
-            checkpoint.load({"model": checkpoint.model_state(model),
-                             "optim": checkpoint.optimizer_state(opt, model)}, path)
-        else:
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+    tensors = state_tensors
+    save = save_ckpt
+    load = load_ckpt
 
     def timed(fn) -> float:
         dist.barrier()
@@ -518,18 +451,12 @@ def main() -> int:
                     help="part 1: write every round's agent logs here")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    print("command: " + shlex.join([Path(sys.executable).name, *sys.argv]))
-    load0 = os.getloadavg()
-    print(f"machine: {os.cpu_count()} cores, load average {load0[0]:.2f} {load0[1]:.2f} "
-          f"{load0[2]:.2f} at start\n")
-    began = time.monotonic()
+    began = print_start()
     if args.part in ("1", "all"):
         part1(args)
     if args.part in ("2", "all"):
         part2(args)
-    load1 = os.getloadavg()
-    print(f"machine: load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at end; "
-          f"{time.monotonic() - began:.0f} s in all")
+    print_end(began)
     return 0
 
 
