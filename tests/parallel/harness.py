@@ -99,6 +99,21 @@ def run_one_process(script: str | Path, args: tuple[str, ...] = (), *, timeout: 
     return done
 
 
+def kill_once_writing(proc: subprocess.Popen, partial: Path, timeout: float) -> str:
+    """SIGKILL ``proc`` as soon as a save has a data file in ``partial`` (its
+    ``<path>.partial`` directory); its stdout. Fails if the save ends first or never writes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (partial.is_dir() and any(partial.glob("*.distcp"))):
+        assert proc.poll() is None, "the save finished before it could be killed"
+        assert time.monotonic() < deadline, "the save never started writing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=30)
+    return out
+
+
 def run_checks(checks, before_each=None) -> None:
     """Worker side: run each check (a function of the `ParallelContext`) on every rank, record
     "ok" or the traceback under its name, keep the ranks in step between checks (a failed check

@@ -7,15 +7,13 @@ size and strategy loads and compares the blocks it holds with those values.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from tests.parallel.harness import REPO, launch
+from tests.parallel.harness import REPO, kill_once_writing, launch
 
 WORKER = "checkpoint_worker.py"
 
@@ -70,13 +68,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], env=env,
                             stdout=subprocess.PIPE, text=True)
     partial = tmp_path / "step_2.partial"
-    deadline = time.monotonic() + 90
-    while not (partial.is_dir() and any(partial.glob("*.distcp"))):
-        assert proc.poll() is None, "the save finished before it could be killed"
-        assert time.monotonic() < deadline, "the second save never started writing"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate(timeout=30)
+    out = kill_once_writing(proc, partial, timeout=90)
     assert "second saved" not in out
 
     import torch

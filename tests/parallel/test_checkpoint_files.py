@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.parallel.harness import REPO
+from tests.parallel.harness import REPO, kill_once_writing
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
@@ -130,14 +130,7 @@ def test_kill_during_background_save_leaves_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_ASYNC, str(tmp_path)], env=ENV,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "returned"
-    partial = tmp_path / "step_2.partial"
-    deadline = time.monotonic() + 60
-    while not any(partial.glob("*.distcp")):
-        assert proc.poll() is None, "the background save finished before it could be killed"
-        assert time.monotonic() < deadline, "the background save never started writing"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate(timeout=30)
+    out = kill_once_writing(proc, tmp_path / "step_2.partial", timeout=60)
     assert "second saved" not in out
     assert checkpoint.latest(tmp_path) == str(tmp_path / "step_1")
     state = {"w": torch.zeros(10), "step": 0}
