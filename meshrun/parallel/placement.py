@@ -302,6 +302,16 @@ def local_state_dict():
         _RAW.reset(token)
 
 
+def register_state_dict_hooks(module, params: list[tuple[str, torch.Tensor]]) -> None:
+    """Make ``module.state_dict()`` give ``params`` (name relative to ``module``, parameter)
+    as DTensors of their global shape (`state_dict_hook`), and ``load_state_dict`` take
+    those, full tensors or local shards (`load_state_dict_hook`)."""
+    if not params:
+        return
+    module.register_state_dict_post_hook(functools.partial(state_dict_hook, params))
+    module.register_load_state_dict_pre_hook(functools.partial(load_state_dict_hook, params))
+
+
 def state_dict_hook(params: list[tuple[str, torch.Tensor]], module, state_dict, prefix,
                     local_metadata) -> None:
     """A ``state_dict`` post-hook: each ``(key, param)`` value becomes `to_dtensor` 's.

@@ -69,7 +69,6 @@ the API mirrors ``torch.distributed.tensor.parallel`` (``parallelize_module``,
 from __future__ import annotations
 
 import fnmatch
-import functools
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -623,12 +622,7 @@ def _pad_mask(spec: ShardSpec, tp: _TP, device: torch.device) -> torch.Tensor | 
 def _register_state_dict_hooks(module: nn.Module, names: list[str]) -> None:
     """``state_dict()`` of the sharded parameters: DTensors of the global shape; and
     ``load_state_dict`` takes those, full tensors, or local shards (`placement`)."""
-    if not names:
-        return
-    params = [(n, module._parameters[n]) for n in names]
-    module.register_state_dict_post_hook(functools.partial(placement.state_dict_hook, params))
-    module.register_load_state_dict_pre_hook(
-        functools.partial(placement.load_state_dict_hook, params))
+    placement.register_state_dict_hooks(module, [(n, module._parameters[n]) for n in names])
 
 
 @torch.no_grad()

@@ -21,7 +21,6 @@ Full: `full_state_dict` (`meshrun.parallel.state_dict`), one parameter at a time
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -37,7 +36,5 @@ __all__ = ["full_state_dict", "register_state_dict_hooks"]
 
 def register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     """Make ``module.state_dict()`` return DTensors and ``load_state_dict`` accept them."""
-    params = [(fqn, p) for p, fqns in zip(unit.params, unit.fqns, strict=True) for fqn in fqns]
-    module.register_state_dict_post_hook(functools.partial(placement.state_dict_hook, params))
-    module.register_load_state_dict_pre_hook(
-        functools.partial(placement.load_state_dict_hook, params))
+    placement.register_state_dict_hooks(
+        module, [(fqn, p) for p, fqns in zip(unit.params, unit.fqns, strict=True) for fqn in fqns])
