@@ -98,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--pp-microbatches", type=int, default=4, help="with --pp: per step")
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient to this "
                    "global norm, over every axis of the mesh (0: no clipping)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: "
+                   "momentum 0.9, no weight decay (its steps scale with the gradient, so the "
+                   "logged loss shows a wrong gradient scale that AdamW would hide)")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
     args = p.parse_args(argv)
     if args.parallel == "tp":
@@ -549,7 +552,7 @@ def main(argv=None):
     data, vocab_size = load_text()
     model = CharLM(vocab_size, args.block_size).to(device)
     par = parallelize_lm(model, args)  # before the optimizer sees the parameters
-    optimizer = torch.optim.AdamW(par.modules.parameters(), lr=args.lr, weight_decay=0.1)
+    optimizer = make_optimizer(args, par.modules.parameters())
     global_batch = args.global_batch_size or args.batch_size * par.dp_size
     start, position, state = 0, 0, None
     if args.checkpoint_dir:
@@ -593,20 +596,22 @@ def main(argv=None):
                    for part in microbatches(ids, par.dp_rank, par.dp_size, n_micro)]
         optimizer.zero_grad(set_to_none=True)
         loss = forward_backward(par, batches, global_batch, device)
-        if args.grad_clip > 0:
-            clip_gradients(par, args.grad_clip)
+        done = step + 1
+        log = done % args.log_every == 0 or done in (1, args.steps)
+        grad_norm = None  # the global norm before clipping; without clipping, on log steps
+        if args.grad_clip > 0 or log:
+            grad_norm = clip_gradients(par, args.grad_clip if args.grad_clip > 0 else math.inf)
         optimizer.step()
         position += global_batch
 
-        done = step + 1
-        if done % args.log_every == 0 or done in (1, args.steps):
+        if log:
             if distributed:  # the shares of the dp ranks add up; --tp: each TP rank has it
                 dist.all_reduce(loss)
                 loss /= args.tp
             ms = (time.perf_counter() - t0) * 1000 / (done - start)
             if master:
-                print(f"step {done} | loss {loss.item():.4f} | lr {lr:.2e} | {ms:.0f} ms/step",
-                      flush=True)
+                print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "
+                      f"lr {lr:.2e} | {ms:.0f} ms/step", flush=True)
         if stop is None:
             continue
         signum = stop.agreed()
@@ -621,6 +626,12 @@ def main(argv=None):
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def make_optimizer(args, params):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
 
 
 def batch_summary(args, global_batch, dp_size, n_micro):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,6 +98,13 @@ def run_one_process(script: str | Path, args: tuple[str, ...] = (), *, timeout: 
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
+
+
+def training_log(output: str) -> dict[int, tuple[float, float]]:
+    """examples/train_char_lm.py's log lines ``step N | loss L | grad norm G | ...`` from rank
+    0: ``{N: (L, G)}``, G the global gradient norm before clipping."""
+    found = re.findall(r"step (\d+) \| loss ([0-9.]+) \| grad norm ([0-9.]+)", output)
+    return {int(n): (float(loss), float(norm)) for n, loss, norm in found}
 
 
 def kill_once_writing(proc: subprocess.Popen, partial: Path, timeout: float) -> str:

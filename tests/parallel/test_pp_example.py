@@ -2,33 +2,36 @@
 
 The data depend only on the step and the global batch; with ``--pp 2`` on 2 ranks there is one
 data-parallel rank, so a plain one-process run sees the same batches. Microbatching with a
-mean-reduced loss must not change the loss the script prints.
+mean-reduced loss must not change the loss or the global gradient norm the script logs at each
+step; SGD with momentum and no clipping, so a wrong gradient scale (say, not dividing by the
+number of microbatches) shows.
 """
 
-import re
-
 import pytest
-from harness import REPO, launch, run_one_process
+from harness import REPO, launch, run_one_process, training_log
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
-ARGS = ("--steps", "5", "--batch-size", "8", "--log-every", "5")
+ARGS = ("--steps", "4", "--batch-size", "8", "--log-every", "1", "--optimizer", "sgd",
+        "--lr", "0.3", "--grad-clip", "0")
 
 
-def final_loss(output):
-    losses = re.findall(r"step 5 \| loss ([0-9.]+)", output)
-    assert len(losses) == 1, output
-    return float(losses[0])
+def logged(output):
+    log = training_log(output)
+    assert sorted(log) == [1, 2, 3, 4], output
+    return log
 
 
 @pytest.fixture(scope="module")
-def unsplit_loss():
-    return final_loss(run_one_process(EXAMPLE, ARGS).stdout)
+def unsplit():
+    return logged(run_one_process(EXAMPLE, ARGS).stdout)
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("flags", [("--pp", "2"),
                                    ("--parallel", "pp", "--pp-schedule", "interleaved1f1b")])
-def test_pipeline_matches_unsplit_run(unsplit_loss, flags):
+def test_pipeline_matches_unsplit_run(unsplit, flags):
     output = launch(EXAMPLE, 2, (*ARGS, *flags), timeout=120).output
     assert "| pp 2 (" in output, output
-    assert final_loss(output) == pytest.approx(unsplit_loss, abs=1e-4)
+    for step, (loss, norm) in logged(output).items():
+        assert loss == pytest.approx(unsplit[step][0], abs=1e-4), (step, output)
+        assert norm == pytest.approx(unsplit[step][1], rel=1e-3), (step, output)
