@@ -72,7 +72,9 @@ class ConfigError(ValueError):
 
 
 class _Stopped(Exception):
-    """A handled signal arrived while no workers ran (during rendezvous)."""
+    """A handled signal arrived: whatever the agent was doing (a rendezvous call, waiting to
+    tell a lost node from a failure, the exit barrier) ends, and the agent exits 128+N.
+    Signals win over failures: nothing is published and no restart is spent after one."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -178,7 +180,7 @@ class Agent:
             if code == EXIT_OK and self._temp_logs and self._log_root is not None:
                 shutil.rmtree(self._log_root.parent, ignore_errors=True)
             return code
-        except _Stopped as e:
+        except _Stopped as e:  # no workers ran (during rendezvous)
             say(f"received {signal.Signals(e.signum).name} during rendezvous; exiting")
             return 128 + e.signum
         except RendezvousError as e:
@@ -228,6 +230,8 @@ class Agent:
                         reason = self._on_hang(rdzv, hung)
                     else:
                         reason = rdzv.poll()
+                except _Stopped:  # signals win over failures: nothing spent, exit 128+N
+                    return self._stop_by_signal()
                 except JobFailed as e:
                     return self._final_failure(rdzv, e.round, self._end_round(rdzv, bootstrap))
                 if reason is not None:
@@ -242,6 +246,7 @@ class Agent:
             reason = self._settle(rdzv, what)
             if reason is not None:
                 return reason  # a membership change: no restart spent, no failure published
+        self._raise_if_signalled()
         self._failed_round = True
         rdzv.publish_failures([self._record(f) for f in result.failures])
         state, _ = rdzv.read_state()
@@ -260,7 +265,9 @@ class Agent:
         """A worker failed the way workers fail when a peer vanished (its connection closed):
         wait for the rendezvous to tell a membership change (a lost node, a node joining,
         another node moving the round on). Returns its reason, or None when none came within
-        twice the dead-node bound (plus one keep-alive interval): a real failure.
+        twice the dead-node bound (plus one keep-alive interval): a real failure. Raises
+        `_Stopped` when a handled signal arrives meanwhile (a scheduler cancelling the job
+        kills peers first): the signal wins, the failure is neither published nor spent.
 
         The worker usually sees the peer's sockets close well before the heartbeats can prove
         the node dead; without this wait a lost node would spend a restart of the job's budget
@@ -270,8 +277,9 @@ class Agent:
         say(f"worker failure: {what} (a peer's connection closed); waiting up to {bound:g} s "
             f"for the rendezvous to tell a lost node from a failure")
         deadline = time.monotonic() + bound
-        while self._signal is None and time.monotonic() < deadline:
-            reason = rdzv.poll()
+        while time.monotonic() < deadline:
+            self._raise_if_signalled()
+            reason = self._interruptible(rdzv.poll)
             if reason is not None:
                 return reason
             time.sleep(min(self.config.monitor_interval, self.settings.keep_alive_interval))
@@ -311,6 +319,7 @@ class Agent:
             )
         first = min((f for f in failures if f.local_rank in idle), key=lambda f: f.timestamp_ms)
         say(f"rank {first.global_rank} {first.message}")
+        self._raise_if_signalled()  # collecting stacks takes seconds: a signal may have come
         self._failed_round = True
         rdzv.publish_failures([self._record(f) for f in failures])
         return rdzv.request_restart(
@@ -324,12 +333,17 @@ class Agent:
         return json.loads(replace(failure, host=self.host, node_rank=info.node_rank).to_json())
 
     def _final_failure(self, rdzv: Rendezvous, round: int, local: list[WorkerFailure]) -> int:
-        """Print the job-wide root-cause report; return the root-cause worker's exit status."""
+        """Print the job-wide root-cause report; return the root-cause worker's exit status,
+        or 128+N when a handled signal N arrived meanwhile (signals win over failures)."""
         try:
             if local and rdzv.info is not None and rdzv.info.round == round:
                 rdzv.publish_failures([self._record(f) for f in local])
-            records = rdzv.collect_failures(round)
+            records = self._interruptible(rdzv.collect_failures, round)
             rdzv.leave()
+        except _Stopped as e:
+            say(f"received {signal.Signals(e.signum).name} while the job's failure was being "
+                "reported; exiting")
+            return 128 + e.signum
         except RendezvousError:  # the store is gone: report what this node saw
             records = [self._record(f) for f in local]
         failures = [WorkerFailure.from_json(json.dumps(r)) for r in records]
@@ -337,6 +351,9 @@ class Agent:
             say("error: the job failed on another node, which published no failure record")
             return 1
         print(format_report(failures), file=sys.stderr, flush=True)
+        if self._signal is not None:  # it came while the group was being stopped
+            say(f"received {signal.Signals(self._signal).name}; exiting")
+            return 128 + self._signal
         return root_cause(failures).exit_status
 
     # -- workers ---------------------------------------------------------------------------------
@@ -416,6 +433,11 @@ class Agent:
         if self._signal is None:
             self._signal = signum
 
+    def _raise_if_signalled(self) -> None:
+        """Raise `_Stopped` when a handled signal arrived (checked before spending anything)."""
+        if self._signal is not None:
+            raise _Stopped(self._signal)
+
     def _interruptible(self, fn, *args, **kwargs):
         """Run a blocking rendezvous call on a thread, so a signal is acted on at once.
 
@@ -442,13 +464,16 @@ class Agent:
         return value
 
     def _stop_by_signal(self) -> int:
+        """Forward the handled signal to the workers (once), one grace period, exit 128+N."""
         name = signal.Signals(self._signal).name
         say(
             f"received {name}: forwarded to the workers; stopping them "
             f"(grace {self.config.shutdown_timeout:g} s)"
         )
-        self._group.stop(self.config.shutdown_timeout, death_sig=self._signal)
-        self._group = None
+        self._watch = None
+        if self._group is not None:
+            self._group.stop(self.config.shutdown_timeout, death_sig=self._signal)
+            self._group = None
         return 128 + self._signal
 
 

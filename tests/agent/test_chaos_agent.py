@@ -1,0 +1,163 @@
+"""Interleavings of faults in multi-node jobs, with real agents (``python -m meshrun``) on
+127.0.0.1 and the c10d store hosted by node 0: a signal while the agent waits to tell a lost
+peer from a failure, and nodes that finish, linger or die around the exit barrier.
+
+Workers are e2e_scripts/chaos_worker.py. Bounds on waits are liveness limits for a loaded
+2-core machine; the moments that matter are reached through real events (a kill -9 of a
+peer agent, a line in an agent's log), never through sleeps that guess them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import alive, free_port
+
+SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
+WORKER = SCRIPTS / "chaos_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Job:
+    """One c10d job on 127.0.0.1: `node()` starts one agent (its own session, logs in tmp)."""
+
+    def __init__(self, tmp: Path, nnodes: str, conf: str = "", max_restarts: int = 0):
+        self.tmp = tmp
+        self.nnodes = nnodes
+        self.port = free_port()
+        self.max_restarts = max_restarts
+        settings = {"last_call_timeout": "0.5", "join_timeout": "30"}
+        settings.update(item.split("=", 1) for item in conf.split(",") if item)
+        self.conf = ",".join(f"{k}={v}" for k, v in settings.items())
+        self.records = tmp / "records.jsonl"
+        self.stop_file = tmp / "stop"
+        self.nodes: list[subprocess.Popen] = []
+
+    def node(self, *extra: str, env: dict | None = None) -> subprocess.Popen:
+        name = f"node{len(self.nodes)}"
+        cmd = [
+            sys.executable, "-m", "meshrun", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+            "--rdzv-id", "chaos", "--rdzv-conf", self.conf, "--monitor-interval", "0.1",
+            "--max-restarts", str(self.max_restarts), *extra,
+            str(WORKER), str(self.records), str(self.stop_file),
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=self.tmp, start_new_session=True, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            stdout=open(self.tmp / f"{name}.out", "w"), stderr=open(self.tmp / f"{name}.err", "w"),
+        )  # fmt: skip
+        proc.name = name
+        self.nodes.append(proc)
+        return proc
+
+    def err(self, proc: subprocess.Popen) -> str:
+        return (self.tmp / f"{proc.name}.err").read_text()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ---\n{self.err(p)}" for p in self.nodes)
+
+    def records_(self) -> list[dict]:
+        if not self.records.exists():
+            return []
+        return [json.loads(line) for line in self.records.read_text().splitlines() if line]
+
+    def wait_until(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
+
+    def cleanup(self) -> None:
+        for p in self.nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    jobs: list[Job] = []
+
+    def make(nnodes: str, conf: str = "", max_restarts: int = 0) -> Job:
+        job = Job(tmp_path / f"job{len(jobs)}", nnodes, conf, max_restarts)
+        job.tmp.mkdir()
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.cleanup()
+
+
+def _start_pair(job: Job, env0: dict | None = None, env1: dict | None = None, extra=()):
+    """Node 0 (hosts the store), then node 1; wait until a round ran with both."""
+    host = job.node(*extra, env=env0)
+    job.wait_until(lambda: _listening(job.port), 30, "node 0 to host the store")
+    other = job.node(*extra, env=env1)
+    job.wait_until(lambda: _full_round(job.records_()), 60, "a round with both ranks")
+    return host, other
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _full_round(records: list[dict]) -> bool:
+    """Some round recorded both ranks (node 1 may have joined in round 1)."""
+    return any(sum(r["round"] == n for r in records) == 2 for n in {r["round"] for r in records})
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_while_settling_a_lost_peer_exits_143_and_spends_nothing(job_factory):
+    """--max-restarts 0: node 1's agent is killed (kill -9), node 0's worker fails with a
+    closed connection, node 0 waits for the rendezvous to tell a lost node from a failure
+    (_settle, made long by keep_alive_max_attempt=10); a SIGTERM then ends node 0 with 143,
+    as a signal, not as a worker failure (no restart spent, no job failure, no report)."""
+    job = job_factory("1:2", conf="keep_alive_max_attempt=10")
+    host, other = _start_pair(job)
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait(10)
+    job.wait_until(lambda: "a peer's connection closed" in job.err(host), 40, "node 0 to settle")
+    os.kill(host.pid, signal.SIGTERM)
+    assert host.wait(30) == 143, job.logs()
+    err = job.err(host)
+    assert "received SIGTERM" in err, err
+    assert "job failed" not in err and "no restarts left" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_while_stopping_a_failed_group_exits_143(launch):
+    """--max-restarts 0: rank 1 exits 5 and the job is over, but rank 0 ignores SIGTERM, so
+    the stop waits out --shutdown-timeout 4; a SIGTERM to the agent then wins over the
+    failure: meshrun exits 143 (not 5), within the grace it was already waiting."""
+    out = launch.cwd / "out"
+    out.mkdir()
+    err_path = launch.cwd / "agent.err"
+    with open(err_path, "w") as err_file:
+        proc = launch.start(
+            ["--nproc-per-node", "2", "--max-restarts", "0", "--shutdown-timeout", "4",
+             str(SCRIPTS / "fail_while_other_lingers.py"), str(out)],
+            stderr=err_file,
+        )  # fmt: skip
+    launch.wait_for(lambda: all((out / f"ready_{r}").exists() for r in (0, 1)), 40, what="ranks")
+    (out / "go").touch()
+    launch.wait_for(lambda: "no restarts left" in err_path.read_text(), 20, what="the failure")
+    time.sleep(0.5)  # inside the 4 s grace of the stop
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=30)
+    err = err_path.read_text()
+    assert proc.returncode == 143, err
+    assert "received SIGTERM" in err, err
