@@ -40,7 +40,13 @@ from meshrun.agent.bootstrap import BootstrapStore
 from meshrun.agent.errors import WorkerFailure, format_report, root_cause
 from meshrun.agent.hang import Hang, ProgressWatch, collect_stack, progress_env, stuck_at
 from meshrun.agent.reaper import Reaper
-from meshrun.agent.workers import GroupResult, WorkerGroup, WorkerSpec, WorkerState
+from meshrun.agent.workers import (
+    GroupResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+    become_subreaper,
+)
 from meshrun.rendezvous import (
     JobFailed,
     JobFinished,
@@ -121,6 +127,7 @@ class Agent:
         self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
         self._temp_logs = False
+        self._subreaper = False
 
     # -- setup ---------------------------------------------------------------------------------
     def _endpoint(self) -> str:
@@ -153,6 +160,9 @@ class Agent:
                 "watched from its first meshrun.parallel.heartbeat(); scripts that never call "
                 "it are never called hung"
             )
+        # Orphans of the workers' trees (double-forked daemons) are re-parented to the agent,
+        # so every round's stop finds and ends them (the whole tree is cleaned).
+        self._subreaper = become_subreaper()
         reaper = Reaper()
         reaper.start()
         rdzv: Rendezvous | None = None
@@ -192,6 +202,8 @@ class Agent:
             if rdzv is not None:
                 rdzv.close()
             reaper.close()
+            if self._subreaper:
+                become_subreaper(False)
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -377,6 +389,7 @@ class Agent:
             duplicate_stdout_filters=c.duplicate_stdout_filters,
             duplicate_stderr_filters=c.duplicate_stderr_filters,
             filtered_dir=attempt_dir,
+            adopt_orphans=self._subreaper,
         )
         self._group.start()
         if c.hang_timeout is not None:

@@ -21,10 +21,22 @@ How it works
         close            clean shutdown: exit without killing anything
 
     The kernel closes the write end whenever the agent process dies, however it dies, so the
-    reaper reads EOF. On EOF without ``close`` it sends SIGKILL to every still-watched process
-    group, and also to every descendant of those groups' members that moved to another group
-    or session (found in ``/proc`` before anything is killed, because a killed parent's
-    children are re-parented and can no longer be traced), then exits. The reaper ignores
+    reaper reads EOF. On EOF without ``close`` it sends SIGKILL to every member of every
+    still-watched process group, and also to every descendant of those members that moved to
+    another group or session (found in ``/proc`` before anything is killed, because a killed
+    parent's children are re-parented and can no longer be traced), then exits.
+
+No pid is signalled after it was reaped
+    A group id is a number that can be reused once every member is gone. The agent never reaps
+    a watched worker (it forgets the group first), but once the agent is dead its zombies are
+    re-parented and reaped by someone else. So the reaper signals nothing by number: on
+    ``watch`` it opens a pidfd of the group's leader (``pidfd_open``; the leader is then an
+    unreaped child of the agent, so the pid is surely the worker's), and on EOF it opens a
+    pidfd of every process it is about to kill and checks, through ``/proc``, that the pid
+    still names the process it found (same start time). A member of a watched group is ours
+    while the group's leader is unreaped (its pidfd still reaches it: the id cannot have
+    been reused), or when it started before the agent's death was seen (a reused id can only
+    be taken after the leader was reaped, which is after that). The reaper ignores
     SIGINT, SIGTERM and SIGHUP and lives in its own session, so terminal signals and a kill
     of the agent's process group do not take it out before its job is done. It exits when the
     agent closes the pipe either way, so it never outlives the agent.
@@ -33,7 +45,10 @@ Limits
     A worker started between ``Popen`` returning and ``watch`` being written is not covered if
     the agent dies in that window (microseconds). If the agent ``os.fork()``s without exec
     (e.g. multiprocessing's "fork" start method), the forked child holds the write end and the
-    reaper sees EOF only when both are gone.
+    reaper sees EOF only when both are gone. A daemon that a worker's tree double-forked away
+    (re-parented to the agent, a child subreaper) has left every watched group: the agent's
+    own stop kills it at the end of each round, but after a kill -9 of the agent it is not
+    found.
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 if __name__ != "__main__":
     # The agent side. The reaper process itself (run as a script) needs none of these, and
@@ -189,7 +205,7 @@ def _main() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
-    watched: set[int] = set()
+    watched: dict[int, int | None] = {}  # pgid -> pidfd of its leader (None: not opened)
     buf = b""
     while True:
         try:
@@ -208,25 +224,39 @@ def _main() -> int:
                 pgid = int(arg)
             except ValueError:
                 continue
-            if cmd == "watch" and pgid > 1:
-                watched.add(pgid)
-            elif cmd == "forget":
-                watched.discard(pgid)
+            if cmd == "watch" and pgid > 1 and pgid not in watched:
+                watched[pgid] = _pidfd(pgid)
+            elif cmd == "forget" and pgid in watched:
+                fd = watched.pop(pgid)
+                if fd is not None:
+                    os.close(fd)
     # EOF without "close": the agent died. Kill twice, in case something forked meanwhile.
+    died = _boot_ticks()
     for _ in range(2):
-        _kill_groups(watched)
+        _kill_groups(watched, died)
     return 0
 
 
-def _kill_groups(pgids: set[int]) -> None:
-    """SIGKILL the groups ``pgids`` and every descendant of their members."""
-    if not pgids:
+def _kill_groups(watched: dict[int, int | None], died: int) -> None:
+    """SIGKILL the members of the groups ``watched`` (pgid -> leader's pidfd) and every
+    descendant of theirs, each through a pidfd checked to name the process found in /proc.
+    ``died``: when the agent's death was seen, in clock ticks since boot."""
+    if not watched:
         return
-    procs = scan_processes()
+    for fd in watched.values():  # the leaders themselves: their pidfds are surely theirs
+        if fd is not None:
+            _quiet(signal.pidfd_send_signal, fd, signal.SIGKILL)
+    procs = _scan()
+    # A group is surely the worker's while its leader is unreaped: checked after the scan.
+    held = {pgid for pgid, fd in watched.items() if fd is not None and _reaches(fd)}
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in procs.items():
+    for pid, (ppid, _, _, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
-    targets = [pid for pid, (_, pgid, _) in procs.items() if pgid in pgids]
+    targets = [
+        pid
+        for pid, (_, pgid, _, start) in procs.items()
+        if pgid in watched and (pgid in held or start <= died)
+    ]
     seen: set[int] = set()
     while targets:
         pid = targets.pop()
@@ -235,36 +265,72 @@ def _kill_groups(pgids: set[int]) -> None:
         seen.add(pid)
         targets.extend(children.get(pid, ()))
     me = os.getpid()
-    for pgid in pgids:
-        _quiet(os.killpg, pgid, signal.SIGKILL)
     for pid in seen - {me, 1}:
-        _quiet(os.kill, pid, signal.SIGKILL)
+        fd = _pidfd(pid)
+        if fd is None:
+            continue
+        try:
+            now = _stat(pid)
+            if now is not None and now[3] == procs[pid][3]:  # still the process we found
+                _quiet(signal.pidfd_send_signal, fd, signal.SIGKILL)
+        finally:
+            os.close(fd)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone, or pidfds unsupported (Linux < 5.3)
+        return None
+
+
+def _reaches(fd: int) -> bool:
+    """Whether the process behind pidfd ``fd`` is unreaped (alive or a zombie)."""
+    try:
+        signal.pidfd_send_signal(fd, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _boot_ticks() -> int:
+    """Now, in the unit of /proc/PID/stat's start time: clock ticks since boot."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
 def scan_processes() -> dict[int, tuple[int, int, str]]:
     """Every process on the machine from ``/proc``: ``{pid: (ppid, pgid, state)}``, where state
     is the one-letter code of ``/proc/PID/stat`` ("Z" for a zombie). Stdlib only, so the reaper
     process can use it without importing psutil."""
-    out: dict[int, tuple[int, int, str]] = {}
+    return {pid: entry[:3] for pid, entry in _scan().items()}
+
+
+def _scan() -> dict[int, tuple[int, int, str, int]]:
+    """``{pid: (ppid, pgid, state, start time in clock ticks since boot)}`` from /proc."""
+    out: dict[int, tuple[int, int, str, int]] = {}
     try:
         names = os.listdir("/proc")
     except OSError:
         return out
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the command name (which may contain spaces and parentheses).
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        try:
-            out[int(name)] = (int(fields[1]), int(fields[2]), fields[0].decode())
-        except (IndexError, ValueError):
-            continue
+        if name.isdigit() and (entry := _stat(int(name))) is not None:
+            out[int(name)] = entry
     return out
+
+
+def _stat(pid: int) -> tuple[int, int, str, int] | None:
+    """``(ppid, pgid, state, start time)`` of ``pid`` from /proc/PID/stat, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Fields after the command name (which may contain spaces and parentheses).
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[1]), int(fields[2]), fields[0].decode(), int(fields[19])
+    except (IndexError, ValueError):
+        return None
 
 
 def _quiet(fn, *args) -> None:

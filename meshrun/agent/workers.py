@@ -8,19 +8,27 @@ A :class:`WorkerGroup` owns the local workers of one rendezvous round (torch's
   tree with ``killpg`` and terminal signals aimed at the agent do not reach it directly. The
   group id is registered with the :class:`~meshrun.agent.reaper.Reaper`, which kills it if
   the agent dies.
-- One waiter thread per worker blocks in ``Popen.wait()`` and records the time it observed the
-  exit; :meth:`WorkerGroup.wait` sleeps on a condition that those threads notify, so it returns
-  as soon as the outcome is decided (no polling: restart latency matters).
+- One waiter thread per worker blocks in ``waitid(WEXITED | WNOWAIT)`` and records the exit and
+  the time it observed it; :meth:`WorkerGroup.wait` sleeps on a condition that those threads
+  notify, so it returns as soon as the outcome is decided (no polling: restart latency
+  matters). The waiter does not reap: an exited worker stays a zombie, which keeps its pid and
+  its process group id from being reused, until :meth:`WorkerGroup.stop` has sent its last
+  signal. So no pid or group is ever signalled after it was reaped (it could belong to someone
+  else's process by then).
+- With ``adopt_orphans`` (the agent is a child subreaper, `become_subreaper`), processes that
+  a worker's tree double-forked away (daemons re-parented to the agent) are part of the tree:
+  :meth:`WorkerGroup.stop` signals, kills and reaps them with the rest.
 - stdout and stderr are pipes forwarded by :mod:`meshrun.agent.logs`.
 - :meth:`WorkerGroup.stop` is the one way down on every path: SIGTERM to every group (and to
-  descendants that left it), one grace period for all, then SIGKILL to whatever is left,
-  reap, drain the pipes, close the files.
+  descendants that left it, and adopted orphans), one grace period for all, then SIGKILL to
+  whatever is left, reap, drain the pipes, close the files.
 
 This module imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import os
 import signal as _signal
@@ -39,7 +47,7 @@ from meshrun.agent.errors import WorkerFailure, read_error_file
 from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
 from meshrun.agent.reaper import Reaper, scan_processes
 
-__all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState"]
+__all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState", "become_subreaper"]
 
 # After a worker exited and its group was killed, how long its pipes may stay open (held by a
 # descendant that escaped) before the forwarders stop waiting for EOF.
@@ -50,6 +58,23 @@ _TAIL_SETTLE_S = 0.5
 # Poll interval while waiting for processes that are not our children (descendants, group
 # members left after the leader exited): they give no event to wait on.
 _POLL_S = 0.02
+# prctl(2) option: orphaned descendants are re-parented to this process instead of init.
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER, 1)``, Linux 3.4+):
+    a descendant whose parent exits (a double-forked daemon) is re-parented to this process
+    rather than to init, so the whole tree of a worker stays findable. systemd and tini do the
+    same. ``on=False`` turns it off again. Returns False where it is unavailable (not Linux,
+    or the call failed); never raises.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,9 @@ class WorkerGroup:
         filtered_dir: where those files go; required when a filter list is non-empty.
         console_stdout, console_stderr: the binary streams console copies go to (default: the
             agent's ``sys.stdout.buffer`` / ``sys.stderr.buffer`` at the time of each write).
+        adopt_orphans: this process is a child subreaper (`become_subreaper`) and runs no
+            other children than these workers and the reaper: every other child of it at
+            :meth:`stop` is an orphan of a worker's tree, stopped and reaped with the group.
 
     Raises:
         ValueError: filters without ``filtered_dir``, or duplicate global ranks.
@@ -140,6 +168,7 @@ class WorkerGroup:
         filtered_dir: Path | None = None,
         console_stdout: BinaryIO | None = None,
         console_stderr: BinaryIO | None = None,
+        adopt_orphans: bool = False,
     ) -> None:
         if (duplicate_stdout_filters or duplicate_stderr_filters) and filtered_dir is None:
             raise ValueError(
@@ -161,6 +190,7 @@ class WorkerGroup:
             Console(lambda: console_stderr) if console_stderr else console("stderr")
         )
         self._host = socket.gethostname()
+        self._adopt_orphans = adopt_orphans
 
         self._cond = threading.Condition()
         self._workers: list[_Worker] = []
@@ -169,6 +199,10 @@ class WorkerGroup:
         self._stopped = False
         self._exited_before_stop: set[int] | None = None  # global ranks; None: not stopped
         self._stop_lock = threading.Lock()
+        # Held while signalling workers' groups and while reaping them: a group id is only
+        # signalled while its leader is unreaped (so the id is still the worker's).
+        self._reap_lock = threading.Lock()
+        self._reaped = False
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -238,22 +272,27 @@ class WorkerGroup:
         return _describe(failed)
 
     def signal(self, signum: int) -> None:
-        """Send ``signum`` to the process group of every worker that has not exited."""
-        for w in self._workers:
-            if w.exitcode is None:
-                _quiet_killpg(w.proc.pid, signum)
+        """Send ``signum`` to the process group of every worker that has not exited (a no-op
+        after :meth:`stop`, which reaps them)."""
+        with self._reap_lock:
+            for w in self._workers:
+                if w.exitcode is None and not self._reaped:
+                    _quiet_killpg(w.proc.pid, signum)
 
     def stop(self, grace: float, death_sig: int = _signal.SIGTERM) -> None:
         """Stop all workers: ``death_sig``, up to ``grace`` seconds, then SIGKILL; reap; drain.
 
         ``death_sig`` (SIGTERM, or the signal the agent received, forwarded once) goes to every
         worker's process group and to descendants that left it (setsid, setpgid), found with
-        psutil before signalling. After ``grace`` seconds in total (or as
+        psutil before signalling, and with ``adopt_orphans`` to every other child of this
+        process (orphans of the workers' trees). After ``grace`` seconds in total (or as
         soon as everything is gone) whatever is left gets SIGKILL, whole trees. Then the
-        workers are reaped, the output forwarders finish (waiting at most ~1 s for EOF if an
-        escaped descendant still holds a pipe), files are closed and the process groups are
-        forgotten by the reaper. Idempotent; safe to call after the group finished, and after a
-        failed :meth:`start`. Mirrors torch's ``PContext.close(death_sig, timeout)``.
+        process groups are forgotten by the reaper, the workers (and orphans) are reaped, the
+        output forwarders finish (waiting at most ~1 s for EOF if an escaped descendant still
+        holds a pipe), and files are closed. A worker's group is signalled only while the
+        worker is unreaped, so its id cannot have been reused. Idempotent; safe to call after
+        the group finished, and after a failed :meth:`start`. Mirrors torch's
+        ``PContext.close(death_sig, timeout)``.
         """
         with self._stop_lock:
             if self._stopped:
@@ -267,9 +306,10 @@ class WorkerGroup:
 
             # 1. SIGTERM: every group, and descendants found now (before parents die and their
             #    children are re-parented out of reach).
-            escaped = self._descendants()
-            for w in self._workers:
-                _quiet_killpg(w.proc.pid, death_sig)
+            escaped = self._descendants() + self._orphans()
+            with self._reap_lock:
+                for w in self._workers:
+                    _quiet_killpg(w.proc.pid, death_sig)
             for p in escaped:
                 _quiet_signal(p, death_sig)
 
@@ -283,15 +323,30 @@ class WorkerGroup:
                 time.sleep(_POLL_S)
 
             # 3. SIGKILL what is left, whole trees (including anything forked meanwhile).
-            escaped = escaped + self._descendants()
-            for w in self._workers:
-                _quiet_killpg(w.proc.pid, _signal.SIGKILL)
+            escaped = escaped + self._descendants() + self._orphans()
+            with self._reap_lock:
+                for w in self._workers:
+                    _quiet_killpg(w.proc.pid, _signal.SIGKILL)
             for p in escaped:
                 _quiet_signal(p, _signal.SIGKILL)
 
-            # 4. Reap, drain, close.
+            # 4. Forget, reap, drain, close. The reaper forgets a group before its leader is
+            #    reaped, so it never holds a group id that could be reused.
             for w in self._workers:
                 w.waiter.join(5.0)  # SIGKILLed: exits at once, barring uninterruptible sleep
+            if self._reaper is not None:
+                for w in self._workers:
+                    self._reaper.forget(w.proc.pid)
+            with self._reap_lock:
+                self._reaped = True
+                for w in self._workers:
+                    if w.exitcode is not None:
+                        w.proc.wait()  # the zombie the waiter left
+            if self._adopt_orphans:  # and those re-parented to us since the last look
+                late = self._orphans()
+                for p in late:
+                    _quiet_signal(p, _signal.SIGKILL)
+                _reap_orphans(escaped + late)
             drain_deadline = time.monotonic() + _DRAIN_TIMEOUT_S
             forwarders = [f for w in self._workers for f in (w.stdout, w.stderr)]
             for f in forwarders:
@@ -300,9 +355,6 @@ class WorkerGroup:
                 f.stop(timeout=1.0)
             for sink in self._sinks:
                 sink.close()
-            if self._reaper is not None:
-                for w in self._workers:
-                    self._reaper.forget(w.proc.pid)
 
     def __enter__(self) -> WorkerGroup:
         self.start()
@@ -403,7 +455,12 @@ class WorkerGroup:
         return worker
 
     def _wait_one(self, worker: _Worker) -> None:
-        code = worker.proc.wait()
+        # Wait without reaping (WNOWAIT): stop() reaps after its last signal to the group.
+        try:
+            info = os.waitid(os.P_PID, worker.proc.pid, os.WEXITED | os.WNOWAIT)
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        except ChildProcessError:  # reaped elsewhere (should not happen): Popen knows the code
+            code = worker.proc.wait()
         ms = int(time.time() * 1000)
         with self._cond:
             worker.exitcode = code
@@ -420,6 +477,29 @@ class WorkerGroup:
                 found.extend(psutil.Process(w.proc.pid).children(recursive=True))
             except psutil.Error:
                 continue
+        return found
+
+    def _orphans(self) -> list[psutil.Process]:
+        """With ``adopt_orphans``: this process's children other than the workers and the
+        reaper (descendants that a worker's tree double-forked away), and their descendants."""
+        if not self._adopt_orphans:
+            return []
+        known = {w.proc.pid for w in self._workers}
+        if self._reaper is not None and self._reaper.pid is not None:
+            known.add(self._reaper.pid)
+        found: list[psutil.Process] = []
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return found
+        for child in children:
+            if child.pid in known:
+                continue
+            found.append(child)
+            try:
+                found.extend(child.children(recursive=True))
+            except psutil.Error:
+                pass
         return found
 
     def _anything_left(self, escaped: list[psutil.Process]) -> bool:
@@ -504,6 +584,27 @@ def _describe(failed: list[_Worker]) -> list[WorkerFailure]:
     for w in failed:
         w.stderr.join(max(0.0, deadline - time.monotonic()))
     return sorted((w.failure() for w in failed), key=lambda f: (f.timestamp_ms, f.global_rank))
+
+
+def _reap_orphans(procs: list[psutil.Process], timeout: float = 5.0) -> None:
+    """Reap those of ``procs`` that are this process's children (SIGKILLed orphans), waiting
+    up to ``timeout`` seconds in all; only these pids are waited for, never any child."""
+    me = os.getpid()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            if p.ppid() != me:
+                continue
+        except psutil.Error:
+            continue
+        while True:
+            try:
+                pid, _ = os.waitpid(p.pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
 
 
 def _quiet_killpg(pgid: int, signum: int) -> None:

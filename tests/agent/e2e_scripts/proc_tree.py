@@ -1,7 +1,8 @@
 """proc_tree.py OUT MODE: a worker that records its pid(s) in OUT and sleeps.
 
 MODE: "plain" (default signals); "tree" (forks a child, which forks a grandchild that calls
-os.setsid()); "term" (on SIGTERM: write OUT/term_<RANK> "got", sleep 1 s, append "done", exit
+os.setsid()); "daemon" (a double fork: the grandchild calls os.setsid() and its parent exits at
+once, so it is re-parented out of the worker's tree; the worker exits 0 once it is there); "term" (on SIGTERM: write OUT/term_<RANK> "got", sleep 1 s, append "done", exit
 0); "ignore" (SIGTERM ignored); "cleanup" (SIGTERM raises SystemExit, SIGINT is Python's
 KeyboardInterrupt; either way a `finally` cleanup sleeps 1 s, then writes "cleanup done"; every
 signal seen is appended to OUT/sig_<RANK>). With "--wait-store" rank 0 first connects to the
@@ -50,6 +51,18 @@ elif mode == "tree":
             sleep_forever()
         note("child")
         sleep_forever()
+elif mode == "daemon":
+    if os.fork() == 0:  # the child: forks the daemon and exits at once
+        if os.fork() == 0:
+            os.setsid()
+            note("daemon")
+            sleep_forever()
+        os._exit(0)
+    os.wait()
+    while not os.path.exists(os.path.join(out, f"pid_{rank}_daemon")):
+        time.sleep(0.01)
+    note("worker")
+    sys.exit(0)
 
 
 def log_signal(name: str) -> None:
