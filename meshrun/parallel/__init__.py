@@ -47,18 +47,18 @@ from meshrun.parallel.pipelining import (
     pipeline,
     split_into_stages,
 )
-from meshrun.parallel.tensor_parallel import (
+from meshrun.parallel.tp import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleOutput,
+    RNGTracker,
     RowwiseParallel,
     SequenceParallel,
     ShardedDropout,
     full_tensor,
     parallelize,
+    vocab_parallel_cross_entropy,
 )
-from meshrun.parallel.tp_random import RNGTracker
-from meshrun.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 __all__ = ["ColwiseParallel", "Mesh", "ParallelContext", "PrepareModuleInput",
            "PrepareModuleOutput", "RNGTracker", "RowwiseParallel", "SequenceParallel",
