@@ -69,8 +69,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from meshrun.parallel._comm import broadcast_from_first_
 from meshrun.parallel.heartbeat import heartbeat
 
 MiB = 1024 * 1024
@@ -184,7 +184,7 @@ class _Reducer:
         self.next_bucket = 0
         self.arrived = [False] * len(self.params)
 
-        _broadcast_(([p for _, p in named] + list(module.buffers())), group)
+        broadcast_from_first_(([p for _, p in named] + list(module.buffers())), group)
         self._build_buckets(self._assign(list(reversed(range(len(self.params))))))
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i))
@@ -428,7 +428,7 @@ class _Reducer:
         if self.in_backward:  # a backward that raised never reached _finalize: forget it
             self._reset()
         if self.buffers and self.sync and torch.is_grad_enabled():
-            _broadcast_(self.buffers, self.group, swap_data=True)
+            broadcast_from_first_(self.buffers, self.group, swap_data=True)
 
 
 # -------------------------------------------------------------------------------------------
@@ -444,27 +444,3 @@ def _group_device(group) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-@torch.no_grad()
-def _broadcast_(tensors: list[torch.Tensor], group, swap_data: bool = False) -> None:
-    """Broadcast tensors from rank 0 of ``group``, one flat message per dtype/device.
-
-    ``swap_data=False``: copy into the tensors in place (wrap time). ``swap_data=True``:
-    non-source ranks point ``t.data`` at the received values instead (no version bump).
-    """
-    by_key: dict = {}
-    for t in tensors:
-        by_key.setdefault(_key(t), []).append(t)
-    is_src = dist.get_rank(group) == 0
-    for group_tensors in by_key.values():
-        flat = _flatten_dense_tensors([t.detach() for t in group_tensors])
-        dist.broadcast(flat, group=group, group_src=0)
-        if is_src:
-            continue
-        for t, value in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors),
-                            strict=True):
-            if swap_data:
-                t.data = value
-            else:
-                t.copy_(value)

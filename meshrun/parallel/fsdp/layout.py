@@ -22,22 +22,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-# torch 2.13 renamed the flat collectives (*_single) and deprecated the old names.
-ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
-                  else "reduce_scatter_tensor")
-
-
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
-    """Async ``all_gather_into_tensor``: output ``[N * numel]`` <- every rank's ``shard``."""
-    return getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=True)
-
-
-def reduce_scatter(output: torch.Tensor, packed: torch.Tensor, group) -> dist.Work:
-    """Async ``reduce_scatter_tensor`` (SUM): output ``[numel]`` <- row r of ``packed`` summed."""
-    return getattr(dist, REDUCE_SCATTER)(output, packed, group=group, async_op=True)
 
 
 @dataclass(frozen=True)

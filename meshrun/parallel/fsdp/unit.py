@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from meshrun.parallel.fsdp.layout import ShardLayout, all_gather, reduce_scatter
+from meshrun.parallel._comm import all_gather_flat, reduce_scatter_flat
+from meshrun.parallel.fsdp.layout import ShardLayout
 from meshrun.parallel.heartbeat import heartbeat
 
 
@@ -220,7 +221,7 @@ class Unit:
             self.param_dtype)
         out = torch.empty(self.world_size * self.layout.shard_numel, dtype=self.param_dtype,
                           device=self.device)
-        self.gather = (all_gather(out, shard, self.group), out, shard)
+        self.gather = (all_gather_flat(out, shard, self.group), out, shard)
 
     def finish_gather(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Wait for the gather (issuing it if needed); copy it into new or freed tensors."""
@@ -329,7 +330,7 @@ class Unit:
         self.grad_accum = None
         packed.div_(self.world_size)  # average over ranks (gloo has no ReduceOp.AVG)
         output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self.root.add_pending((self, reduce_scatter(output, packed, self.group), output, packed))
+        self.root.add_pending((self, reduce_scatter_flat(output, packed, self.group), output, packed))
 
     @torch.no_grad()
     def accumulate_shard_grads(self, output: torch.Tensor) -> None:

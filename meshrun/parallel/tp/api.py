@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.parallel import placement
+from meshrun.parallel._comm import broadcast_from_first_
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.tp.random import RNGTracker
 from meshrun.parallel.tp.styles import (
@@ -70,7 +71,7 @@ def parallelize(module: nn.Module, group_or_mesh: dist.ProcessGroup | Mesh | Non
     tp.vocab_tied = _tied_to_vocab_embedding(targets)
     specs = {name: style._shard_specs(mod, name, tp) for name, (mod, style) in targets.items()}
     _check_tied(module, targets, specs)
-    _broadcast_state(module, group)
+    broadcast_from_first_([*module.parameters(), *module.buffers()], group)  # rank 0's
     _check_dropout_rng(module, targets, group)
     tp.rng = rng_tracker if rng_tracker is not None else RNGTracker(group)
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> local shard (tied: once)
@@ -210,22 +211,6 @@ def _register_state_dict_hooks(module: nn.Module, names: list[str]) -> None:
     """``state_dict()`` of the sharded parameters: DTensors of the global shape; and
     ``load_state_dict`` takes those, full tensors, or local shards (`placement`)."""
     placement.register_state_dict_hooks(module, [(n, module._parameters[n]) for n in names])
-
-
-@torch.no_grad()
-def _broadcast_state(module: nn.Module, group) -> None:
-    """Start every TP rank from rank 0's parameters and buffers (one message per dtype)."""
-    tensors = [p for p in module.parameters()] + [b for b in module.buffers()]
-    by_key: dict = {}
-    for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
-    for ts in by_key.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        dist.broadcast(flat, group=group, group_src=0)
-        offset = 0
-        for t in ts:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def _check_dropout_rng(module: nn.Module, targets, group) -> None:

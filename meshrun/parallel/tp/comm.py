@@ -10,7 +10,6 @@ function                        forward                backward               Me
 ==============================  =====================  =====================  =============
 `IdentityFwdAllReduceBwd`       identity               all-reduce             f
 `AllReduceFwdIdentityBwd`       all-reduce             identity               g
-`AllGatherFwdReduceScatterBwd`  all-gather on a dim    reduce-scatter         f-bar (SP)
 `ReduceScatterFwdAllGatherBwd`  reduce-scatter         all-gather             g-bar (SP)
 `SplitFwdAllGatherBwd`          keep this rank's part  all-gather             scatter
 `AllGatherFwdSplitBwd`          all-gather on a dim    keep this rank's part  gather
@@ -44,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat
+
 # -------------------------------------------------------------------------------------------
 # autograd functions
 
@@ -62,7 +63,7 @@ class IdentityFwdAllReduceBwd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.contiguous(), ctx.group), None
+        return all_reduce_(grad.contiguous(), ctx.group), None
 
 
 class AllReduceFwdIdentityBwd(torch.autograd.Function):
@@ -74,28 +75,11 @@ class AllReduceFwdIdentityBwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.contiguous(), group)
+        return all_reduce_(x.contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class AllGatherFwdReduceScatterBwd(torch.autograd.Function):
-    """f-bar (sequence parallel): ``[.., T/P, ..] -> [.., T, ..]`` on ``dim``.
-
-    Backward: the gathered tensor feeds a tensor-parallel region, so its gradient is a partial
-    sum on each rank; reduce-scatter sums it and hands each rank its own slice.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 class ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
@@ -191,11 +175,6 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return AllReduceFwdIdentityBwd.apply(x, group)
 
 
-def gather_from_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """`AllGatherFwdReduceScatterBwd`: sequence-sharded -> full, into a TP region."""
-    return AllGatherFwdReduceScatterBwd.apply(x, group, dim)
-
-
 def reduce_scatter_to_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """`ReduceScatterFwdAllGatherBwd`: partial full-sequence -> summed sequence shard."""
     return ReduceScatterFwdAllGatherBwd.apply(x, group, dim)
@@ -243,7 +222,7 @@ class _AsyncAllGather:
             self.out.copy_(x)
             self.work = None
         else:
-            self.work = _all_gather_single(self.out, x, group)
+            self.work = all_gather_flat(self.out, x, group)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -273,32 +252,12 @@ class _AsyncReduceScatter:
             self.out.copy_(x)
             self.work = None
         else:
-            self.work = _reduce_scatter_single(self.out, x, group)
+            self.work = reduce_scatter_flat(self.out, x, group)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
-        if self.dim == 0:
-            return self.out
-        # self.out is [B, .., n, ..] flattened from [1 * B, ..]: already the right layout
-        return self.out
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
-
-
-def _all_gather_single(out, x, group):
-    # torch 2.13 renames all_gather_into_tensor to all_gather_single (the old name warns)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, x, group=group, async_op=True)
-
-
-def _reduce_scatter_single(out, x, group):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, x, group=group, async_op=True)
+        return self.out  # rank-major input: this rank's block is already in place
 
 
 def _my_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:

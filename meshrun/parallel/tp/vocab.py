@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshrun.parallel._comm import all_reduce_
+
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, group,
                              padding_idx: int | None = None) -> torch.Tensor:
@@ -111,14 +113,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         rows = z.shape[-1]
         start = dist.get_rank(group) * rows
         m = z.max(dim=-1).values
-        _all_reduce(m, group, dist.ReduceOp.MAX)
+        all_reduce_(m, group, dist.ReduceOp.MAX)
         z = z - m.unsqueeze(-1)
         outside = (target < start) | (target >= start + rows)
         local = (target - start).masked_fill(outside, 0)
         picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         e = z.exp_()
         sums = torch.stack([e.sum(-1), picked])
-        _all_reduce(sums, group, dist.ReduceOp.SUM)
+        all_reduce_(sums, group)
         loss = (sums[0].log() - sums[1]).masked_fill(ignored, 0.0)
         e.div_(sums[0].unsqueeze(-1))  # softmax, in place of exp
         ctx.save_for_backward(e, local, outside | ignored, ignored)
@@ -133,8 +135,3 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         g[rows, local] -= (~not_here).to(g.dtype)
         g.mul_(grad.float().masked_fill(ignored, 0.0).unsqueeze(-1))
         return g.to(ctx.dtype), None, None, None
-
-
-def _all_reduce(x: torch.Tensor, group, op) -> None:
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)

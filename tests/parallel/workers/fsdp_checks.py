@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor, Shard
 from meshrun.parallel import (
     FSDPModule,
     MixedPrecisionPolicy,
+    _comm,
     clip_grad_norm_,
     ddp,
     full_state_dict,
     fully_shard,
 )
-from meshrun.parallel.fsdp import layout
 from tests.parallel.harness import RESULTS_ENV, run_checks
 
 STEPS = 3
@@ -117,7 +117,7 @@ class Collectives:
 
     def __init__(self, events=None):
         self.calls, self.events = [], events if events is not None else []
-        self.names = {"gather": layout.ALL_GATHER, "reduce_scatter": layout.REDUCE_SCATTER}
+        self.names = {"gather": _comm.ALL_GATHER, "reduce_scatter": _comm.REDUCE_SCATTER}
 
     def __enter__(self):
         self.originals = {kind: getattr(dist, name) for kind, name in self.names.items()}

@@ -1,0 +1,64 @@
+"""Collective helpers the strategies share (DDP, FSDP, TP), so each exists once.
+
+- `all_gather_flat` / `reduce_scatter_flat`: torch 2.13 renamed the flat collectives
+  (``all_gather_into_tensor`` -> ``all_gather_single``, ``reduce_scatter_tensor`` ->
+  ``reduce_scatter_single``) and deprecated the old names; these call whichever exists.
+  `ALL_GATHER` and `REDUCE_SCATTER` are the names used (tests count calls by them).
+- `all_reduce_`: in place, and nothing at all in a group of one.
+- `broadcast_from_first_`: every rank starts from rank 0 of a group's tensors, one flat
+  message per (dtype, device) instead of one per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                  else "reduce_scatter_tensor")
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
+    """Async all-gather along dim 0: ``output`` ``[P * n, ...]`` <- every rank's ``shard``
+    ``[n, ...]``, in rank order. Returns the work handle (``wait()`` before reading)."""
+    return getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter_flat(output: torch.Tensor, packed: torch.Tensor, group) -> dist.Work:
+    """Async reduce-scatter (SUM) along dim 0: ``output`` ``[n, ...]`` <- the sum over the
+    ranks of rank r's block of ``packed`` ``[P * n, ...]``. Returns the work handle."""
+    return getattr(dist, REDUCE_SCATTER)(output, packed, group=group, async_op=True)
+
+
+def all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce ``x`` in place over ``group`` (skipped in a group of one); returns ``x``."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+@torch.no_grad()
+def broadcast_from_first_(tensors: list[torch.Tensor], group, swap_data: bool = False) -> None:
+    """Give every rank of ``group`` its rank 0's values of ``tensors``, one flat message per
+    (dtype, device).
+
+    ``swap_data=False``: copy into the tensors in place (when a strategy is applied).
+    ``swap_data=True``: the other ranks point ``t.data`` at the received values instead (no
+    version-counter bump: buffers broadcast before every forward, as torch's DDP does).
+    """
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    is_src = dist.get_rank(group) == 0
+    for same in by_key.values():
+        flat = _flatten_dense_tensors([t.detach() for t in same])
+        dist.broadcast(flat, group=group, group_src=0)
+        if is_src:
+            continue
+        for t, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            if swap_data:
+                t.data = value
+            else:
+                t.copy_(value)
