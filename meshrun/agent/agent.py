@@ -422,6 +422,7 @@ class Agent:
             prefix=prefix,
             host=self.host,
             node_rank=info.node_rank,
+            log_max_bytes=c.log_max_bytes,
         )
 
     def _end_round(self, rdzv: Rendezvous, bootstrap: BootstrapStore) -> list[WorkerFailure]:

@@ -1,19 +1,34 @@
 """Forwarding of worker output: pipe -> per-rank log file, console (prefixed), filtered file.
 
+The per-rank log files are meshrun's promise: complete, byte for byte. The console copy is best
+effort: it never blocks or slows a worker (DESIGN.md §3.6).
+
 Each worker's stdout and stderr is a pipe, read by one thread per pipe (:class:`PipeForwarder`)
 with ``os.read(fd, 65536)``: whatever the worker wrote is forwarded as soon as it arrives, in
 chunks, with no line buffering and no polling of files (torchrun instead redirects to files and
-tails them every 0.1 s). Each chunk goes
+tails them every 0.1 s). The thread does nothing that can block but that read, so the pipe is
+always drained. Each chunk goes
 
-- to the per-rank log file, byte for byte (flushed per chunk);
-- to the console (the agent's stdout or stderr) when asked, with the rank prefix inserted at the
-  start of every line: after each ``\\n`` and after each ``\\r``, so a tqdm bar that redraws
-  itself with ``\\r`` still renders, prefixed. A partial line is written at once; the prefix
-  is inserted where the next line starts. A :class:`Console` serializes the writes of all
-  workers, so one chunk is never interleaved with another's; and while one worker's line is
-  unfinished on the console, another worker's output waits for it up to ``Console.hold_s``
-  (0.1 s), then breaks the line. ``print`` under ``python -u`` writes the text and the
-  ``\\n`` separately; without the hold, two ranks printing together would mangle lines;
+- to the per-rank log file (:class:`LogFile`), byte for byte, with ``os.write`` (nothing is
+  buffered in the agent). With ``max_bytes`` (``--log-max-bytes``) the file is rotated before
+  it would pass that size, cut after a line end where a line fits: ``stdout.log`` becomes
+  ``stdout.log.1``, ``.1`` becomes ``.2``, and so on; ``LogFile.BACKUPS`` (3) older files are
+  kept and the oldest is deleted, so a stream never takes more than 4 x ``max_bytes`` of disk.
+  A write error (a full disk: ENOSPC, EDQUOT, EIO...) is said once on the agent's stderr and
+  that file is dropped; the pipe keeps being drained and the worker never notices;
+- to the console (the agent's stdout or stderr) when asked, through a bounded queue per stream
+  (:class:`ConsoleStream`, 256 KiB) that one writer thread per :class:`Console` empties. The
+  rank prefix is inserted at the start of every line: after each ``\\n`` and after each
+  ``\\r``, so a tqdm bar that redraws itself with ``\\r`` still renders, prefixed. A partial
+  line is written at once; the prefix is inserted where the next line starts. While one
+  worker's line is unfinished on the console, another worker's output waits for it up to
+  ``Console.hold_s`` (0.1 s), then breaks the line: ``print`` under ``python -u`` writes the
+  text and the ``\\n`` separately; without the hold, two ranks printing together would glue
+  lines. When the console cannot keep up (its reader is slow, stopped, or a pipe nobody
+  reads), the stream's queue fills and its console output is dropped, in whole lines, until the
+  queue has drained to half; then one note on that stream says how many lines and bytes were
+  not shown and which log file has them. A closed console (EPIPE) ends the console copy
+  silently; the log files still get everything;
 - for stderr, into a bounded in-memory tail (:class:`StderrTail`) for the failure report;
 - to the filtered file, for lines that contain any of the duplicate filters.
 
@@ -29,6 +44,7 @@ universal newlines).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -36,14 +52,28 @@ import select
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import BinaryIO
+from pathlib import Path
+from typing import BinaryIO, NamedTuple
 
-__all__ = ["Console", "FilteredSink", "LinePrefixer", "PipeForwarder", "StderrTail", "console"]
+__all__ = [
+    "Console",
+    "ConsoleStream",
+    "FilteredSink",
+    "LinePrefixer",
+    "LogFile",
+    "PipeForwarder",
+    "StderrTail",
+    "console",
+]
 
 _CHUNK = 65536
 # A line: any run of non-terminators, then a terminator (or end of data: a partial line).
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+# A console writer thread with nothing to write for this long ends (the next write starts one).
+_IDLE_S = 5.0
 
 
 class LinePrefixer:
@@ -59,9 +89,18 @@ class LinePrefixer:
         self._at_line_start = True
         self._after_cr = False
 
+    @property
+    def at_line_start(self) -> bool:
+        """True when the next byte fed starts a line."""
+        return self._at_line_start
+
     def feed(self, data: bytes) -> bytes:
         """Return ``data`` with the prefix inserted at each line start."""
-        if not self.prefix or not data:
+        if not data:
+            return data
+        if not self.prefix:
+            self._at_line_start = data.endswith((b"\n", b"\r"))
+            self._after_cr = data.endswith(b"\r")
             return data
         out = []
         for m in _SEGMENT.finditer(data):
@@ -80,58 +119,399 @@ class LinePrefixer:
         self._after_cr = False
 
 
+class LogFile:
+    """One log file, written byte for byte with ``os.write``; rotated by size; dropped on error.
+
+    Args:
+        path: the file; created, or truncated (a per-rank log starts empty each round), or
+            appended to with ``append=True``.
+        max_bytes: rotate before the file would pass this many bytes (None: never). The cut
+            goes after the last line end that fits; a single line longer than ``max_bytes`` is
+            split. Rotation renames ``path`` to ``path.1`` (``.1`` to ``.2``, ...), keeps
+            `BACKUPS` older files and deletes the oldest; stale ``path.N`` are removed at open.
+        on_error: called once, with one line, when opening, writing or rotating fails with an
+            ``OSError`` (ENOSPC, EDQUOT, EIO, ...); the file is dropped then (later writes are
+            no-ops). Default: print on the agent's stderr console.
+
+    Nothing is raised: a log that cannot be written must not stop the output's other sinks.
+    Not thread-safe: one writer (a :class:`PipeForwarder`) per file, or a lock around it.
+    """
+
+    BACKUPS = 3
+
+    def __init__(
+        self,
+        path: os.PathLike | str,
+        *,
+        max_bytes: int | None = None,
+        on_error: Callable[[str], None] | None = None,
+        append: bool = False,
+    ) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"LogFile: max_bytes must be >= 1 (got {max_bytes})")
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self._on_error = on_error or console("stderr").say
+        self._fd: int | None = None
+        self._size = 0
+        mode = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+        try:
+            if max_bytes is not None:
+                for i in range(1, self.BACKUPS + 2):
+                    self._backup(i).unlink(missing_ok=True)
+            self._fd = os.open(self.path, mode, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        except OSError as e:
+            self._fail(e)
+
+    @property
+    def dropped(self) -> bool:
+        """True once the file could not be written (or after :meth:`close`)."""
+        return self._fd is None
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (rotating first where ``max_bytes`` says so)."""
+        if self._fd is None or not data:
+            return
+        try:
+            if self.max_bytes is None:
+                self._write_all(data)
+                return
+            view = memoryview(data)
+            while view:
+                room = max(0, self.max_bytes - self._size)
+                if len(view) <= room:
+                    self._write_all(view)
+                    return
+                cut = bytes(view[:room]).rfind(b"\n") + 1  # after the last line end that fits
+                if cut == 0 and self._size == 0:
+                    cut = room  # one line longer than a whole file: split it
+                if cut:
+                    self._write_all(view[:cut])
+                    view = view[cut:]
+                self._rotate()
+        except OSError as e:
+            self._fail(e)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _write_all(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)  # a full disk: a short write, then ENOSPC
+            self._size += n
+            view = view[n:]
+
+    def _rotate(self) -> None:
+        os.close(self._fd)
+        self._fd = None
+        self._backup(self.BACKUPS).unlink(missing_ok=True)
+        for i in range(self.BACKUPS - 1, 0, -1):
+            try:
+                os.replace(self._backup(i), self._backup(i + 1))
+            except FileNotFoundError:
+                pass
+        os.replace(self.path, self._backup(1))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self._size = 0
+
+    def _backup(self, i: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{i}")
+
+    def _fail(self, e: OSError) -> None:
+        self.close()
+        code = errno.errorcode.get(e.errno or 0, "error")
+        self._on_error(
+            f"cannot write {self.path}: {e.strerror or e} ({code}); that log file gets no more "
+            "output, the job goes on"
+        )
+
+
+class _Item(NamedTuple):
+    stream: ConsoleStream
+    data: bytes
+    note: bool  # meshrun's own line: never dropped, not counted against the queue
+
+
+class ConsoleStream:
+    """One worker stream's way to a :class:`Console`: a bounded queue that never blocks.
+
+    Made by :meth:`Console.stream`. :meth:`put` queues a chunk (or drops it, see
+    :mod:`meshrun.agent.logs`); :meth:`close` at the stream's end waits for what is queued.
+    State is guarded by the console's lock.
+    """
+
+    def __init__(self, con: Console, prefix: bytes, label: str, log_path: str) -> None:
+        self.console = con
+        self.prefixer = LinePrefixer(prefix)
+        self.label = label  # e.g. "rank 3's stdout", for the note
+        self.log_path = log_path
+        self.queued_bytes = 0  # worker output queued, not yet written
+        self.queued_items = 0  # the same, in chunks, notes included
+        self.dropping = False
+        self.dropped_lines = 0
+        self.dropped_bytes = 0
+        self.dropped_at_line_start = True  # the last dropped byte ended a line
+
+    def put(self, data: bytes) -> None:
+        """Queue ``data`` for the console, or drop it when the queue is full. Never blocks
+        (beyond the console's lock, which no one holds while writing)."""
+        self.console._put(self, data)
+
+    def close(self) -> bool:
+        """End of the stream: queue the note of a drop in progress, then wait until this
+        stream's output is written, for as long as the console keeps writing (it gives up
+        after ``Console.stall_s`` seconds without progress). True if all was written."""
+        return self.console._close(self)
+
+    def _drop(self, data: bytes) -> None:
+        self.dropped_lines += data.count(b"\n")
+        self.dropped_bytes += len(data)
+        self.dropped_at_line_start = data.endswith((b"\n", b"\r"))
+
+    def _note(self) -> bytes:
+        n, size = self.dropped_lines, self.dropped_bytes
+        self.dropping, self.dropped_lines, self.dropped_bytes = False, 0, 0
+        self.dropped_at_line_start = True
+        return (
+            f"meshrun: console too slow, {n} line{'' if n == 1 else 's'} ({size} bytes) of "
+            f"{self.label} not shown; {self.log_path} has all of it\n"
+        ).encode()
+
+
 class Console:
     """One console stream shared by the workers' forwarders (the agent's stdout, or stderr).
 
-    Each forwarder writes through :meth:`write` with its own :class:`LinePrefixer`. Writes are
-    serialized (a chunk is written and flushed whole). A worker whose last write left a line
-    unfinished (no trailing ``\\n``) "holds" the console line: another worker's write waits
-    until that line ends, at most ``hold_s`` seconds after the holder's last write, then ends
-    it with ``\\n`` itself (the holder's next output starts a new, prefixed line). A line that
-    ends in ``\\r`` (a progress bar) is broken at once, without waiting, so a bar on one rank
-    never slows the others. The holder is never delayed: its partial lines appear at once.
+    Each forwarder writes through its own :class:`ConsoleStream` (:meth:`stream`), a bounded
+    queue; one writer thread (started on demand, ended when idle) writes the queued chunks in
+    the order they arrived, each chunk whole, with the stream's prefix at each line start. A
+    worker whose last chunk left a line unfinished (no trailing ``\\n``) "holds" the console
+    line: another worker's chunk waits until that line ends, at most ``hold_s`` seconds after
+    the holder's last write, then ends it with ``\\n`` itself (the holder's next output starts
+    a new, prefixed line). A line that ends in ``\\r`` (a progress bar) is broken at once, so a
+    bar on one rank never slows the others. Since only the writer thread waits, a hold never
+    delays a worker.
 
     Args:
         stream: a function returning the binary stream to write to, called per write (so a
-            replaced ``sys.stdout`` is honoured).
+            replaced ``sys.stdout`` is honoured). A stream with a file descriptor is written
+            with ``os.write`` on it (not through its buffer, whose lock a blocked write would
+            hold against the agent's own prints); others with ``write`` and ``flush``.
         hold_s: the longest another worker's unfinished line delays a write, in seconds.
+        max_queued_bytes: each stream's queue bound, in bytes; beyond it, output is dropped
+            until the queue has drained to half, then one note gives the count.
+        stall_s: how long :meth:`ConsoleStream.close` waits without any write completing.
 
-    Errors writing (a closed terminal) are ignored; the log files still get everything.
+    Errors writing (a closed pipe or terminal: EPIPE, EIO) end the console copy silently.
     """
 
-    def __init__(self, stream: Callable[[], BinaryIO], hold_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        stream: Callable[[], BinaryIO],
+        hold_s: float = 0.1,
+        max_queued_bytes: int = 256 * 1024,
+        stall_s: float = 0.5,
+    ) -> None:
         self._stream = stream
         self.hold_s = hold_s
+        self.max_queued_bytes = max_queued_bytes
+        self.stall_s = stall_s
         self._cond = threading.Condition()
-        self._holder: LinePrefixer | None = None  # whose line is unfinished on the console
+        self._items: deque[_Item] = deque()
+        self._thread: threading.Thread | None = None
+        self._broken = False
+        self._holder: ConsoleStream | None = None  # whose line is unfinished on the console
         self._held_at = 0.0  # monotonic time of the holder's last write
         self._worth_waiting = False  # False for a line ended by "\r" (a progress bar state)
+        self._writes = 0  # completed writes, for close()'s progress check
+        self._busy = False  # the writer thread is writing an item it took
+        self._own = ConsoleStream(self, b"", "meshrun", "")
 
-    def write(self, writer: LinePrefixer, data: bytes) -> None:
-        """Write ``data`` from ``writer``'s worker, with its prefix at each line start."""
+    def stream(self, prefix: str = "", label: str = "output", log_path: str = "") -> ConsoleStream:
+        """A new queue onto this console for one worker stream; ``label`` ("rank 3's stdout")
+        and ``log_path`` name it in the note about dropped output."""
+        return ConsoleStream(self, prefix.encode(), label, str(log_path))
+
+    def say(self, message: str) -> None:
+        """Queue ``meshrun: <message>`` as a line of meshrun's own: never dropped (unless the
+        console is closed), never blocks the caller."""
+        with self._cond:
+            if not self._broken:
+                self._append(_Item(self._own, f"meshrun: {message}\n".encode(), True))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until everything queued is written; True if it was."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._items and not self._busy, timeout)
+
+    # --- queue side (forwarder threads) -------------------------------------------------------
+
+    def _put(self, s: ConsoleStream, data: bytes) -> None:
         if not data:
             return
         with self._cond:
-            if self._holder not in (None, writer) and self._worth_waiting:
-                remaining = self._held_at + self.hold_s - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait_for(lambda: self._holder in (None, writer), remaining)
-            out = writer.feed(data)
-            if self._holder not in (None, writer):
-                out = b"\n" + out
-                self._holder.break_line()
-            if data.endswith(b"\n"):
-                self._holder = None
-            else:
-                self._holder, self._held_at = writer, time.monotonic()
-                self._worth_waiting = not data.endswith(b"\r")
+            if self._broken:
+                return
+            if s.dropping:
+                if not self._drained(s):
+                    s._drop(data)
+                    return
+                if not s.dropped_at_line_start:  # resume where the next line starts
+                    m = _LINE_END.search(data)
+                    if m is None:
+                        s._drop(data)
+                        return
+                    s._drop(data[: m.end()])
+                    data = data[m.end() :]
+                self._append(_Item(s, s._note(), True))
+                if not data:
+                    return
+            if s.queued_bytes + len(data) > self.max_queued_bytes:
+                s.dropping = True
+                s._drop(data)
+                return
+            self._append(_Item(s, data, False))
+
+    def _append(self, item: _Item) -> None:
+        self._items.append(item)
+        item.stream.queued_items += 1
+        if not item.note:
+            item.stream.queued_bytes += len(item.data)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="meshrun-console", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _close(self, s: ConsoleStream) -> bool:
+        with self._cond:
+            if s.dropping and not self._broken:
+                self._append(_Item(s, s._note(), True))
+            seen, since = self._writes, time.monotonic()
+            while s.queued_items and not self._broken:
+                if self._writes != seen:
+                    seen, since = self._writes, time.monotonic()
+                left = since + self.stall_s - time.monotonic()
+                if left <= 0:
+                    # Stalled: forget this stream's queued output (so a blocked console does
+                    # not pile up memory round after round), leave one note for its count.
+                    kept = deque()
+                    for item in self._items:
+                        if item.stream is s and not item.note:
+                            s._drop(item.data)
+                            s.queued_items -= 1
+                            s.queued_bytes -= len(item.data)
+                        else:
+                            kept.append(item)
+                    self._items = kept
+                    if s.dropped_bytes:
+                        self._append(_Item(s, s._note(), True))
+                    return False
+                self._cond.wait(left)
+            return not self._broken
+
+    # --- writer side (one thread) -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                item = self._next()
+                if item is None:
+                    self._thread = None
+                    return
+                out = self._render(item)
+                self._busy = True
+            ok = self._emit(out)
+            with self._cond:
+                self._busy = False
+                item.stream.queued_items -= 1
+                if not item.note:
+                    item.stream.queued_bytes -= len(item.data)
+                self._writes += 1
+                if not ok:
+                    self._broken = True
+                    for it in self._items:
+                        it.stream.queued_items = it.stream.queued_bytes = 0
+                    self._items.clear()
+                s = item.stream
+                if s.dropping and s.dropped_at_line_start and self._drained(s):
+                    self._append(_Item(s, s._note(), True))  # caught up: say it at once
+                self._cond.notify_all()
+
+    def _drained(self, s: ConsoleStream) -> bool:
+        """A dropping stream may resume: its queue is down to half."""
+        return s.queued_bytes <= self.max_queued_bytes // 2
+
+    def _next(self) -> _Item | None:
+        """The next item to write (the holder's first, while its line is worth waiting for),
+        or None after ``_IDLE_S`` with nothing queued. Called with the lock held."""
+        idle_until = time.monotonic() + _IDLE_S
+        while True:
+            now = time.monotonic()
+            if self._items:
+                holder = self._holder
+                if holder is not None and self._worth_waiting:
+                    for i, item in enumerate(self._items):
+                        if item.stream is holder:
+                            del self._items[i]
+                            return item
+                    remaining = self._held_at + self.hold_s - now
+                    if remaining > 0:
+                        self._cond.wait(remaining)
+                        continue
+                return self._items.popleft()
+            if now >= idle_until:
+                return None
+            self._cond.wait(idle_until - now)
+
+    def _render(self, item: _Item) -> bytes:
+        s, data = item.stream, item.data
+        out = b""
+        if item.note and not s.prefixer.at_line_start:
+            out = b"\n"  # a note starts a line of its own
+            s.prefixer.break_line()
+        out += s.prefixer.feed(data)
+        if self._holder not in (None, s):
+            out = b"\n" + out
+            self._holder.prefixer.break_line()
+        if data.endswith(b"\n"):
+            self._holder = None
+        else:
+            self._holder, self._held_at = s, time.monotonic()
+            self._worth_waiting = not data.endswith(b"\r")
+        return out
+
+    def _emit(self, out: bytes) -> bool:
+        """Write ``out`` whole; False when the console is gone (EPIPE, EIO, closed...)."""
+        try:
+            stream = self._stream()
             try:
-                stream = self._stream()
+                fd = stream.fileno()
+            except (AttributeError, OSError, ValueError):
+                fd = None
+            if fd is None:
                 stream.write(out)
                 stream.flush()
-            except (OSError, ValueError):
-                pass
-            self._cond.notify_all()
+            else:
+                _write_fd(fd, out)
+            return True
+        except (OSError, ValueError):
+            return False
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    """``os.write`` all of ``data``, waiting for room on a non-blocking descriptor."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            select.select([], [fd], [])
 
 
 #: The agent's own stdout and stderr (``sys.stdout.buffer`` / ``sys.stderr.buffer``).
@@ -142,8 +522,23 @@ _CONSOLES = {
 
 
 def console(name: str) -> Console:
-    """The process-wide :class:`Console` for ``"stdout"`` or ``"stderr"``."""
+    """The process-wide :class:`Console` for ``"stdout"`` or ``"stderr"``.
+
+    When the agent's stdout and stderr are one file (``2>&1``, or one terminal), both names
+    give the stdout console: one writer for both, so a line of a worker's stderr is never
+    written into the middle of a stdout line (a pipe write over ``PIPE_BUF`` is not atomic).
+    """
+    if name == "stderr" and _same_file(sys.stdout, sys.stderr):
+        return _CONSOLES["stdout"]
     return _CONSOLES[name]
+
+
+def _same_file(a: object, b: object) -> bool:
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 class StderrTail:
@@ -179,12 +574,18 @@ class StderrTail:
 class FilteredSink:
     """One ``filtered_stdout.log`` / ``filtered_stderr.log``: lines containing any filter.
 
-    Shared by all ranks' forwarders; each forwarder gets its own :meth:`line_filter`.
+    Shared by all ranks' forwarders; each forwarder gets its own :meth:`line_filter`. A write
+    error is handled as for :class:`LogFile` (said once via ``on_error``, the file dropped).
     """
 
-    def __init__(self, path: os.PathLike | str, filters: Sequence[str]) -> None:
+    def __init__(
+        self,
+        path: os.PathLike | str,
+        filters: Sequence[str],
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
         self.filters = [f.encode() for f in filters]
-        self._file: BinaryIO | None = open(path, "ab")  # noqa: SIM115
+        self._file = LogFile(path, on_error=on_error, append=True)
         self._lock = threading.Lock()
 
     def line_filter(self, prefix: bytes) -> Callable[[bytes, bool], None]:
@@ -211,15 +612,11 @@ class FilteredSink:
 
     def write(self, data: bytes) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.write(data)
-                self._file.flush()
+            self._file.write(data)
 
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            self._file.close()
 
     def _matches(self, line: bytes) -> bool:
         return any(needle in line for needle in self.filters)
@@ -230,12 +627,17 @@ class PipeForwarder:
 
     Args:
         fd: the read end of the pipe; the forwarder owns it and closes it.
-        log_path: the per-rank log file (created/truncated), written byte for byte.
+        log_path: the per-rank log file (created/truncated), written byte for byte
+            (:class:`LogFile`).
         console: the :class:`Console` to copy to, or None for no console copy.
         prefix: inserted at each line start of the console copy ("" = none).
         tail: where to keep the last lines (stderr), or None.
         filtered: a ``FilteredSink.line_filter`` feeder, or None.
         name: the thread's name.
+        label: names the stream in meshrun's notes, e.g. "rank 3's stdout".
+        max_bytes: rotate the log file past this size (``--log-max-bytes``); None: never.
+        notices: the console that meshrun's own notes (a log write error) go to; default the
+            agent's stderr.
     """
 
     def __init__(
@@ -248,11 +650,15 @@ class PipeForwarder:
         tail: StderrTail | None = None,
         filtered: Callable[[bytes, bool], None] | None = None,
         name: str = "meshrun-output",
+        label: str = "",
+        max_bytes: int | None = None,
+        notices: Console | None = None,
     ) -> None:
         self._fd = fd
-        self._file = open(log_path, "wb")  # noqa: SIM115
-        self._console = console
-        self._prefixer = LinePrefixer(prefix.encode())
+        say = (notices or _CONSOLES["stderr"]).say
+        self._file = LogFile(log_path, max_bytes=max_bytes, on_error=say)
+        label = label or f"{name}'s output"
+        self._console = console.stream(prefix, label, str(log_path)) if console else None
         self._tail = tail
         self._filtered = filtered
         # A self-pipe that stop() writes to; the thread waits on it beside the worker's pipe.
@@ -307,6 +713,8 @@ class PipeForwarder:
                 except OSError:
                     pass
             self._file.close()
+            if self._console is not None:
+                self._console.close()  # the console copy's last lines, while it keeps up
             self._done.set()
 
     def _drain_available(self) -> None:
@@ -323,10 +731,9 @@ class PipeForwarder:
 
     def _forward(self, chunk: bytes) -> None:
         self._file.write(chunk)
-        self._file.flush()
         if self._tail is not None:
             self._tail.feed(chunk)
         if self._filtered is not None:
             self._filtered(chunk, False)
         if self._console is not None:
-            self._console.write(self._prefixer, chunk)
+            self._console.put(chunk)

@@ -92,6 +92,8 @@ class WorkerSpec:
         prefix: inserted at the start of every console line ("" = none), e.g. "[host:3]: ".
         cwd: the working directory, or None for the agent's.
         host, node_rank: where this runs, for failure reports (host "" = this machine's name).
+        log_max_bytes: rotate each of the worker's log files before it passes this many bytes
+            (``--log-max-bytes``; see `meshrun.agent.logs.LogFile`), or None: never.
     """
 
     local_rank: int
@@ -105,6 +107,7 @@ class WorkerSpec:
     cwd: str | None = None
     host: str = ""
     node_rank: int = 0
+    log_max_bytes: int | None = None
 
     @property
     def error_file(self) -> str | None:
@@ -374,7 +377,7 @@ class WorkerGroup:
             return None
         assert self._filtered_dir is not None
         self._filtered_dir.mkdir(parents=True, exist_ok=True)
-        sink = FilteredSink(self._filtered_dir / name, filters)
+        sink = FilteredSink(self._filtered_dir / name, filters, self._stderr_console.say)
         self._sinks.append(sink)
         return sink
 
@@ -423,6 +426,9 @@ class WorkerGroup:
                 if out_filter and spec.console_out
                 else None,
                 name=f"{name}-stdout",
+                label=f"rank {spec.global_rank}'s stdout",
+                max_bytes=spec.log_max_bytes,
+                notices=self._stderr_console,
             )
             stderr = PipeForwarder(
                 err_fd,
@@ -434,6 +440,9 @@ class WorkerGroup:
                 if err_filter and spec.console_err
                 else None,
                 name=f"{name}-stderr",
+                label=f"rank {spec.global_rank}'s stderr",
+                max_bytes=spec.log_max_bytes,
+                notices=self._stderr_console,
             )
         except BaseException:
             # Not tracked yet: nothing else would ever stop this process.

@@ -184,6 +184,7 @@ def build_config_and_notes(
         duplicate_stdout_filters=get("duplicate_stdout_filters", v.parse_filters),
         duplicate_stderr_filters=get("duplicate_stderr_filters", v.parse_filters),
         log_line_prefix_template=str(prefix) if prefix else None,
+        log_max_bytes=get("log_max_bytes", v.parse_bytes) if given("log_max_bytes") else None,
         start_method=get("start_method", lambda s: v.parse_choice(s, START_METHODS)),
         event_log_handler=str(raw["event_log_handler"].value),
         logs_specs=str(raw["logs_specs"].value) if given("logs_specs") else None,

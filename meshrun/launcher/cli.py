@@ -21,6 +21,7 @@ import click
 
 from meshrun.launcher.build import build_config
 from meshrun.launcher.errors import EXIT_USAGE, ConfigError
+from meshrun.launcher.stdio import survive_closed_console
 from meshrun.launcher.subcommands import SUBCOMMANDS
 
 
@@ -56,8 +57,10 @@ def console_main() -> None:
     Once the agent has returned, every worker is stopped, every log closed and the store
     released; what is left is the interpreter's teardown of torch (about 0.4 s here), which a
     user waiting on a stopped job should not pay. So stdio is flushed and the process leaves
-    with ``os._exit``.
+    with ``os._exit``. A console that goes away (``meshrun ... | head``) is survived
+    (`meshrun.launcher.stdio`): the job runs on, and the exit code stays the job's.
     """
+    survive_closed_console()
     try:
         main()
     except SystemExit as e:

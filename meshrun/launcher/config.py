@@ -90,6 +90,7 @@ class LaunchConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     log_line_prefix_template: str | None = None
+    log_max_bytes: int | None = None  # meshrun's own; None: log files are never rotated
 
     # -- accepted for torchrun compatibility; see README "Options that do not apply" --------
     start_method: str = "spawn"

@@ -142,6 +142,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
               "(,, escapes a comma)."),
     _opt("duplicate_stderr_filters", group=OUTPUT, default="", metavar="TEXT,...",
          help="The same for stderr."),
+    _opt("log_max_bytes", group=OUTPUT, metavar="BYTES",
+         help="meshrun's own: rotate each rank's stdout.log and stderr.log before it passes "
+              "this size (e.g. 100M; K, M, G are powers of 1024), keeping 3 older files "
+              "(.1 the newest). Default: no rotation."),
     _opt("log_line_prefix_template", group=OUTPUT, pet=False, metavar="TEMPLATE",
          env=("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",),
          help="Prefix of console lines, e.g. '[${role_name}${rank}]:' (${role_name}, "

@@ -120,6 +120,22 @@ def parse_int(value: str, minimum: int, maximum: int | None = None) -> int:
     return n
 
 
+_BYTE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_bytes(value: str) -> int:
+    """A size in bytes, >= 1: an integer, optionally followed by K, M or G (powers of 1024, so
+    ``64K`` = 65536); raises `ValueProblem` otherwise."""
+    fix = "give a number of bytes >= 1, e.g. 10000000 or 100M (K, M, G: powers of 1024)"
+    m = re.fullmatch(r"(\d+)([KMG]?)", str(value).strip().upper())
+    if m is None:
+        raise ValueProblem("not a size in bytes", fix)
+    n = int(m.group(1)) * _BYTE_UNITS[m.group(2)]
+    if n < 1:
+        raise ValueProblem(f"out of range (got {n})", fix)
+    return n
+
+
 def parse_seconds(value: str, allow_zero: bool = False) -> float:
     """A duration in seconds: a float > 0 (>= 0 with ``allow_zero``); raises `ValueProblem`."""
     bound = ">= 0" if allow_zero else "> 0"

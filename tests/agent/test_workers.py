@@ -269,21 +269,26 @@ def test_line_prefixer_handles_chunk_boundaries():
 
 
 def test_console_waits_briefly_for_an_unfinished_line_but_not_for_a_progress_bar():
+    """The console's writer holds other ranks' output while one rank's line is unfinished, up
+    to hold_s, but not after a progress bar's \\r; a put (the worker's side) never waits."""
     out = Recorder()
     con = Console(lambda: out, hold_s=0.3)
-    a, b = LinePrefixer(b"A: "), LinePrefixer(b"B: ")
-    con.write(a, b"bar 1/3\r")
+    a, b = con.stream("A: "), con.stream("B: ")
+    a.put(b"bar 1/3\r")
+    b.put(b"log\n")  # a "\r"-ended line is broken at once
+    assert con.flush(1.0)
+    a.put(b"abc")
+    b.put(b"x\n")  # waits for A's line to end
+    threading.Timer(0.05, a.put, (b"def\n",)).start()
+    time.sleep(0.1)
+    assert con.flush(1.0)
+    a.put(b"ghi")
     t0 = time.monotonic()
-    con.write(b, b"log\n")  # a "\r"-ended line is broken at once
+    b.put(b"y\n")  # A never ends its line: broken after hold_s
     assert time.monotonic() - t0 < 0.1
-    con.write(a, b"abc")
-    threading.Timer(0.05, con.write, (a, b"def\n")).start()
-    con.write(b, b"x\n")  # waits for A's line to end
-    con.write(a, b"ghi")
-    t0 = time.monotonic()
-    con.write(b, b"y\n")  # A never ends its line: broken after hold_s
-    assert 0.2 < time.monotonic() - t0 < 1.0
-    con.write(a, b"!\n")
+    assert con.flush(2.0) and 0.2 < time.monotonic() - t0 < 1.0
+    a.put(b"!\n")
+    assert con.flush(1.0)
     assert out.data == b"A: bar 1/3\r\nB: log\nA: abcdef\nB: x\nA: ghi\nB: y\nA: !\n"
 
 
