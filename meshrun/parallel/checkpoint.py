@@ -10,7 +10,7 @@ owned by other ranks, in any combination. Values are keyed by the model's own pa
 
 This is torch.distributed.checkpoint (DCP) underneath: its file format, its planner (which
 computes the overlaps) and its filesystem writer and reader. What meshrun adds is the
-description of meshrun's layouts as DCP chunks (`meshrun.parallel.layout`: a fused TP shard
+description of meshrun's layouts as DCP chunks (`meshrun.parallel.placement`: a fused TP shard
 with vocabulary padding, cut again on dim 0 by FSDP, is several blocks, which DTensor
 placements cannot describe), optimizer state keyed by parameter name with the same blocks as
 its parameter, and atomic saves:
@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshrun.parallel import atomic_dir, layout
+from meshrun.parallel import atomic_dir, placement
 from meshrun.parallel.atomic_dir import SaveInProgress
 
 __all__ = ["AsyncSave", "ModelState", "OptimizerState", "SaveInProgress",
@@ -459,16 +459,16 @@ class ShardedBlocks:
     Args:
         local: the tensor this rank holds (a parameter, or optimizer state shaped like it).
         shape: the global shape.
-        pieces: `meshrun.parallel.layout.Piece` s, blocks of ``local`` in the global tensor.
+        pieces: `meshrun.parallel.placement.Piece` s, blocks of ``local`` in the global tensor.
     """
 
-    def __init__(self, local: torch.Tensor, shape: torch.Size, pieces: list[layout.Piece]):
+    def __init__(self, local: torch.Tensor, shape: torch.Size, pieces: list[placement.Piece]):
         self.local, self.shape, self.pieces = local, torch.Size(shape), pieces
 
     @classmethod
     def of(cls, local: torch.Tensor, param: torch.Tensor) -> ShardedBlocks:
         """``local`` laid out as ``param`` is (``local`` may be ``param`` itself)."""
-        return cls(local, layout.global_shape(param), layout.pieces(param))
+        return cls(local, placement.global_shape(param), placement.pieces(param))
 
     def size(self) -> torch.Size:
         return self.shape
@@ -541,7 +541,7 @@ def _dcp_errors(what: str, path: str):
         raise kind(f"checkpoint.{what} {path}: rank {rank}: {error}") from e
 
 
-def _chunk(p: layout.Piece) -> ChunkStorageMetadata:
+def _chunk(p: placement.Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
 
 
@@ -650,7 +650,7 @@ def _read_checked(reader, path: str):
 
 def _is_split(param: torch.Tensor) -> bool:
     """Whether ``param`` holds less than its whole global tensor on this rank."""
-    return tuple(layout.global_shape(param)) != tuple(param.shape)
+    return tuple(placement.global_shape(param)) != tuple(param.shape)
 
 
 def _optimizer_states(state: dict, prefix: str = ""):

@@ -4,7 +4,7 @@
 
 Every parameter (and Adam's ``exp_avg`` / ``exp_avg_sq``) gets a value that depends only on
 its name and global shape (`reference`), written block by block through
-`meshrun.parallel.layout.pieces`. ``save`` writes ``DIR/step_42``. ``load`` starts from zeros,
+`meshrun.parallel.placement.pieces`. ``save`` writes ``DIR/step_42``. ``load`` starts from zeros,
 loads the newest checkpoint in DIR, and checks that every block this rank holds, in its own
 layout, equals the same block of the reference, bit for bit: so a save under one layout and a
 load under another test resharding (FSDP rows, fused TP blocks with vocabulary padding,
@@ -25,8 +25,8 @@ from meshrun.parallel import (
     RowwiseParallel,
     checkpoint,
     fully_shard,
-    layout,
     parallelize,
+    placement,
     split_into_stages,
 )
 from tests.parallel.harness import run_checks
@@ -99,8 +99,8 @@ def held_blocks(model, params, optimizer):
         tensors = {name: p, **{f"{name}.{k}": v for k, v in optimizer.state[p].items()
                                if v.dim()}}
         for key, t in tensors.items():
-            for piece in layout.pieces(p):
-                yield key, layout.global_shape(p), piece, piece.view(t)
+            for piece in placement.pieces(p):
+                yield key, placement.global_shape(p), piece, piece.view(t)
 
 
 def adam_steps(optimizer, params):

@@ -6,7 +6,7 @@ example's `forward_backward` and `clip_gradients`, against the unsplit model in 
 the global batch (same initial weights). Compared every step: the loss as the example logs it
 (all-reduced over the ranks that hold it), the total gradient norm returned by the global clip
 against ``torch.nn.utils.clip_grad_norm_`` (clipping active), and the full gradients and
-parameters. Full tensors are rebuilt from every rank's blocks (`layout.pieces`: TP shards,
+parameters. Full tensors are rebuilt from every rank's blocks (`placement.pieces`: TP shards,
 FSDP rows, pipeline stages), each block weighted by 1 / (number of ranks holding it), and
 summed by one all-reduce over the world. ``check_refusals``: a mesh that does not fit the
 world, and torch-ddp with --tp, are one clear error each.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from meshrun.parallel import clip_grad_norm_
 from meshrun.parallel.fsdp import unit as fsdp_unit
-from meshrun.parallel.layout import global_shape, pieces, sharded_over
+from meshrun.parallel.placement import global_shape, pieces, sharded_over
 from tests.parallel.harness import run_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import checkpoint, ddp, fully_shard, layout
+from meshrun.parallel import checkpoint, ddp, fully_shard, placement
 from tests.parallel.harness import run_checks
 
 K, M, BATCH, WIDTH = 3, 2, 8, 6
@@ -129,7 +129,7 @@ def exact_state(ctx, case):
         train_step(ref, ref_opt, case, step, None)
     full = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        for piece in layout.pieces(p):
+        for piece in placement.pieces(p):
             torch.testing.assert_close(piece.view(saving[K + M - 1][name]),
                                        full[name].detach()[piece.region], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, name=name: f"{name} vs reference: {m}")
