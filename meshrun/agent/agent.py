@@ -21,6 +21,7 @@ for the workers' bootstrap store (see `meshrun.agent.bootstrap`) and for multi-n
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshrun.agent.bootstrap import BootstrapStore
+from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.errors import WorkerFailure, format_report, root_cause
 from meshrun.agent.hang import Hang, ProgressWatch, collect_stack, progress_env, stuck_at
 from meshrun.agent.reaper import Reaper
@@ -70,6 +71,8 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_RENDEZVOUS = 3
 EXIT_HUNG = 124
+# Message + traceback kept per failure in this node's own report (what the store gets is less).
+_LOCAL_REPORT_MAX_BYTES = 32 * 1024
 _NO_STACK = "unknown (call meshrun.parallel.init() in the script, or install py-spy)"
 
 
@@ -176,7 +179,7 @@ class Agent:
             )
             me = NodeDesc(
                 node_id=self.node_id,
-                addr=self.config.local_addr or addr,
+                addr=self.config.local_addr or self._advertised(addr),
                 nproc=self.config.nproc_per_node,
                 node_rank_hint=self.config.node_rank,
             )
@@ -196,6 +199,9 @@ class Agent:
         except RendezvousError as e:
             say(f"error: rendezvous failed: {e}")
             return EXIT_RENDEZVOUS
+        except ConfigError as e:
+            say(f"error: {e}")
+            return EXIT_USAGE
         finally:
             if self._group is not None:
                 self._group.stop(self.config.shutdown_timeout)
@@ -206,6 +212,39 @@ class Agent:
                 become_subreaper(False)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _advertised(self, addr: str) -> str:
+        """The address other nodes (and their workers, as MASTER_ADDR) reach this node at.
+
+        ``addr`` is the local address on the route to the rendezvous store. In a job that may
+        span machines it must not be a loopback address, unless the endpoint itself is one
+        (every node then runs on this machine): a host name that maps to 127.0.1.1 (Debian's
+        /etc/hosts) gives exactly that. Then the address on this host's default route (or
+        its first non-loopback interface address) is advertised instead, with a note.
+
+        Raises:
+            ConfigError: a loopback address and no other address to advertise; the message
+                names ``--local-addr``.
+        """
+        if self.config.max_nodes == 1 or not _is_loopback(addr):
+            return addr
+        endpoint_host = _endpoint_host(self.endpoint)
+        if _is_loopback_literal(endpoint_host):
+            return addr
+        other = _non_loopback_address()
+        if other is None:
+            raise ConfigError(
+                f"this node would tell other nodes to reach it at {addr}, a loopback address "
+                f"(the rendezvous endpoint {endpoint_host} resolves to it here), and it has "
+                "no other address; give --local-addr ADDR with an address the other nodes "
+                "can reach, or fix the host name's entry in /etc/hosts"
+            )
+        say(
+            f"note: the rendezvous endpoint {endpoint_host} resolves to the loopback address "
+            f"{addr} here, which other nodes cannot reach; advertising {other} instead "
+            "(give --local-addr to choose)"
+        )
+        return other
 
     def _open(self, bootstrap: BootstrapStore, me: NodeDesc) -> tuple[str, int]:
         """Start the round's workers' store (on node rank 0); return its address."""
@@ -230,6 +269,7 @@ class Agent:
                 if self._signal is not None:
                     return self._stop_by_signal()
                 try:
+                    bootstrap.check()  # before a failure it may explain
                     if result is not None and result.state is WorkerState.SUCCEEDED:
                         reason = self._interruptible(rdzv.exit_barrier, c.monitor_interval)
                         if reason is None:
@@ -244,6 +284,10 @@ class Agent:
                         reason = rdzv.poll()
                 except _Stopped:  # signals win over failures: nothing spent, exit 128+N
                     return self._stop_by_signal()
+                except BootstrapError as e:  # the workers cannot meet: the round cannot run
+                    say(f"error: {e}")
+                    self._end_round(rdzv, bootstrap)
+                    return EXIT_RENDEZVOUS
                 except JobFailed as e:
                     return self._final_failure(rdzv, e.round, self._end_round(rdzv, bootstrap))
                 if reason is not None:
@@ -341,8 +385,13 @@ class Agent:
         )
 
     def _record(self, failure: WorkerFailure) -> dict:
-        info = self._group_info
-        return json.loads(replace(failure, host=self.host, node_rank=info.node_rank).to_json())
+        """The failure as published to the store: this node's host and node rank, message and
+        traceback capped (`WorkerFailure.capped`: a few KB per rank, so a whole round's
+        records fit in one store request)."""
+        return json.loads(self._here(failure).capped().to_json())
+
+    def _here(self, failure: WorkerFailure) -> WorkerFailure:
+        return replace(failure, host=self.host, node_rank=self._group_info.node_rank)
 
     def _final_failure(self, rdzv: Rendezvous, round: int, local: list[WorkerFailure]) -> int:
         """Print the job-wide root-cause report; return the root-cause worker's exit status,
@@ -359,6 +408,10 @@ class Agent:
         except RendezvousError:  # the store is gone: report what this node saw
             records = [self._record(f) for f in local]
         failures = [WorkerFailure.from_json(json.dumps(r)) for r in records]
+        if local:  # this node's own failures are reported with more than was published
+            mine = {f.global_rank: self._here(f).capped(_LOCAL_REPORT_MAX_BYTES) for f in local}
+            here = self._group_info.node_rank
+            failures = [mine.get(f.global_rank, f) if f.node_rank == here else f for f in failures]
         if not failures:
             say("error: the job failed on another node, which published no failure record")
             return 1
@@ -391,9 +444,9 @@ class Agent:
             filtered_dir=attempt_dir,
             adopt_orphans=self._subreaper,
         )
-        self._group.start()
-        if c.hang_timeout is not None:
+        if c.hang_timeout is not None:  # the files exist before any worker can beat
             self._watch = ProgressWatch([s.log_dir for s in specs], c.hang_timeout)
+        self._group.start()
 
     def _spec(self, info: RendezvousInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
         c = self.config
@@ -499,6 +552,73 @@ _PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|ECONNR
 
 def _peer_lost(failure: WorkerFailure) -> bool:
     return bool(_PEER_LOST.search(failure.message) or _PEER_LOST.search(failure.traceback))
+
+
+def _endpoint_host(endpoint: str) -> str:
+    """The host of the first ``host[:port]`` in a (comma-separated) endpoint list."""
+    first = endpoint.split(",")[0].strip()
+    first = first.split("://", 1)[-1]  # etcd endpoints may carry a scheme
+    try:
+        from meshrun.rendezvous.c10d import parse_endpoint
+
+        return parse_endpoint(first)[0]
+    except ValueError:
+        return first
+
+
+def _is_loopback_literal(host: str) -> bool:
+    """Whether ``host`` is "localhost" or a loopback address literal (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_loopback(addr: str) -> bool:
+    """Whether ``addr`` is, or (a name) resolves only to, loopback addresses."""
+    if _is_loopback_literal(addr):
+        return True
+    try:
+        ipaddress.ip_address(addr)
+        return False
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None)
+    except OSError:
+        return False
+    return bool(infos) and all(_is_loopback_literal(i[4][0].split("%")[0]) for i in infos)
+
+
+def _non_loopback_address() -> str | None:
+    """This host's address on its default route (a UDP connect sends nothing), else its first
+    IPv4 (then IPv6) address on an interface that is up and neither loopback nor link-local;
+    None when it has none."""
+    for family, probe in ((socket.AF_INET, "198.51.100.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                found = s.getsockname()[0]
+            if not ipaddress.ip_address(found.split("%")[0]).is_loopback:
+                return found
+        except (OSError, ValueError):
+            pass
+    import psutil
+
+    stats = psutil.net_if_stats()
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for name, entries in psutil.net_if_addrs().items():
+            if name in stats and not stats[name].isup:
+                continue
+            for entry in entries:
+                if entry.family != family:
+                    continue
+                ip = ipaddress.ip_address(entry.address.split("%")[0])
+                if not (ip.is_loopback or ip.is_link_local):
+                    return str(ip)
+    return None
 
 
 def worker_env(

@@ -9,6 +9,13 @@ The port race is avoided by binding the listening socket ourselves on port 0 (th
 free port) and keeping it; the ~1 s ``import torch`` that TCPStore needs runs on a thread, so the
 workers start at once and their connections wait in the socket's backlog until the store takes
 the socket over (``TCPStore(..., master_listen_fd=fd)``).
+
+When the store cannot start (torch does not import, TCPStore refuses the socket), nobody would
+ever accept the workers' connections: they would wait in the backlog until their own timeout.
+So the error is kept and `BootstrapStore.check` raises it on the agent's next monitor tick,
+which ends the round. The listening descriptor is the agent's until TCPStore has taken it;
+`BootstrapStore.close` closes it unless the store did (checked by its identity, not its
+number, which may have been reused meanwhile).
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ import os
 import socket
 import threading
 from datetime import timedelta
+
+
+class BootstrapError(RuntimeError):
+    """The workers' store failed to start (the round cannot run: exit 3)."""
 
 
 class BootstrapStore:
@@ -31,59 +42,94 @@ class BootstrapStore:
     def __init__(self, bind_addr: str, timeout: float = 1800.0):  # 30 min, as torch's default
         self._bind_addr = bind_addr
         self._timeout = timeout
-        self._sock: socket.socket | None = None
+        self._fd: int | None = None  # the listening socket, ours until the store takes it
+        self._fd_id: tuple[int, int] | None = None  # its (st_dev, st_ino)
+        self._port = 0
         self._thread: threading.Thread | None = None
         self._store = None
         self.error: BaseException | None = None
 
     def open(self) -> int:
-        """Bind and listen now (workers may connect at once); return the port."""
+        """Bind and listen now (workers may connect at once); return the port.
+
+        Raises:
+            OSError: the socket cannot be bound or listen.
+        """
         sock = _listen_socket(self._bind_addr)
-        sock.listen(int(os.environ.get("MESHRUN_LISTEN_BACKLOG", "1024")))
-        self._sock = sock
-        return sock.getsockname()[1]
+        try:
+            sock.listen(int(os.environ.get("MESHRUN_LISTEN_BACKLOG", "1024")))
+            self._port = sock.getsockname()[1]
+        except BaseException:
+            sock.close()
+            raise
+        st = os.fstat(sock.fileno())
+        self._fd, self._fd_id = sock.detach(), (st.st_dev, st.st_ino)
+        self.error = None
+        return self._port
 
     def serve(self) -> None:
         """Start the TCPStore server on a thread (no-op unless `open` was called this round).
 
         Called after the workers are spawned and registered with the reaper: the thread's
-        ``import torch`` holds the GIL for long stretches, and must not delay that.
+        ``import torch`` holds the GIL for long stretches, and must not delay that. A failure
+        to start is kept in ``error`` and raised by `check`.
         """
-        if self._sock is None or self._thread is not None:
+        if self._fd is None or self._thread is not None:
             return
-        port = self._sock.getsockname()[1]
-        self._thread = threading.Thread(
-            target=self._serve, args=(port,), name="meshrun-bootstrap", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name="meshrun-bootstrap", daemon=True)
         self._thread.start()
 
-    def _serve(self, port: int) -> None:
+    def check(self) -> None:
+        """Raise `BootstrapError` when the store failed to start (called every monitor tick).
+
+        Raises:
+            BootstrapError: with the port and the cause; the workers cannot meet this round.
+        """
+        if self.error is not None:
+            e = self.error
+            raise BootstrapError(
+                f"the workers' store (TCPStore on port {self._port}) failed to start: "
+                f"{type(e).__name__}: {e}; the workers could not meet (check the agent's "
+                "torch install: the agent imports torch for this store)"
+            )
+
+    def _serve(self) -> None:
         try:
             from meshrun.rendezvous.c10d import import_torch_distributed
 
             dist = import_torch_distributed()
-
-            fd = self._sock.detach()  # the store owns the fd from here on
             self._store = dist.TCPStore(
                 self._bind_addr or "0.0.0.0",
-                port,
+                self._port,
                 is_master=True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=self._timeout),
-                master_listen_fd=fd,
+                master_listen_fd=self._fd,  # the store closes it when it is destroyed
             )
-        except BaseException as e:  # noqa: BLE001 - reported by close(); workers will time out
+        except BaseException as e:  # noqa: BLE001 - raised on the agent's thread by check()
             self.error = e
 
     def close(self) -> None:
-        """Stop serving (after the round's workers are gone)."""
+        """Stop serving (after the round's workers are gone) and close the listening socket,
+        unless the store closed it already. Idempotent; never raises."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._store = None
-        if self._sock is not None and self._sock.fileno() != -1:
-            self._sock.close()
-        self._sock = None
+        self._store = None  # its destructor stops the server and closes the socket
+        if self._fd is not None:
+            _close_if_same(self._fd, self._fd_id)
+        self._fd = self._fd_id = None
+
+
+def _close_if_same(fd: int, ident: tuple[int, int] | None) -> None:
+    """Close ``fd`` if it still is the file ``ident`` (st_dev, st_ino): the store may have
+    closed it already, and its number may belong to another file by now."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) == ident:
+        os.close(fd)
 
 
 def _listen_socket(addr: str) -> socket.socket:

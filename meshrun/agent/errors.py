@@ -13,7 +13,11 @@ nodes this assumes NTP-synced hosts (DESIGN §3.3). This mirrors torch's
 and so cannot rank workers killed by a signal).
 
 Failures travel between nodes as JSON (:meth:`WorkerFailure.to_json`), so the agent that
-reports can include the failures of other nodes read from the rendezvous store.
+reports can include the failures of other nodes read from the rendezvous store. What travels is
+capped (:meth:`WorkerFailure.capped`, a few KB per rank: the head and the tail of the message
+and of the traceback, with a note of what was cut): an error file has no size limit, and eight
+ranks with 300 KB messages would exceed what one store request may carry (etcd: 1.5 MiB), and
+the whole report would be lost.
 
 This module imports nothing heavy (no torch).
 """
@@ -28,7 +32,17 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["WorkerFailure", "format_report", "read_error_file", "root_cause"]
+__all__ = [
+    "PUBLISHED_MAX_BYTES",
+    "WorkerFailure",
+    "cut_middle",
+    "format_report",
+    "read_error_file",
+    "root_cause",
+]
+
+#: Bytes of message + traceback one failure record may carry to the rendezvous store.
+PUBLISHED_MAX_BYTES = 4096
 
 # Hints for the signals users most often meet; shown after the signal name in the report.
 _SIGNAL_HINTS = {
@@ -95,6 +109,19 @@ class WorkerFailure:
             return f"exit code {self.exitcode}"
         return f"signal {self.signal_name} (exit status {self.exit_status})"
 
+    def capped(self, max_bytes: int = PUBLISHED_MAX_BYTES) -> WorkerFailure:
+        """A copy whose message and traceback fit in ``max_bytes`` bytes (UTF-8) together:
+        the message gets up to a quarter, the traceback the rest; each keeps its head and its
+        tail (where the exception is) around a note of how many bytes were cut
+        (`cut_middle`). Returns ``self`` when both fit already."""
+        message_b = len(self.message.encode("utf-8", "replace"))
+        traceback_b = len(self.traceback.encode("utf-8", "replace"))
+        if message_b + traceback_b <= max_bytes:
+            return self
+        message = cut_middle(self.message, max(max_bytes // 4, max_bytes - traceback_b))
+        rest = max_bytes - len(message.encode("utf-8", "replace"))
+        return dataclasses.replace(self, message=message, traceback=cut_middle(self.traceback, rest))
+
     def to_json(self) -> str:
         """Serialize to a JSON object (a str), for the rendezvous store."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -155,6 +182,25 @@ def read_error_file(path: str | os.PathLike | None) -> tuple[str, str, int | Non
     )
 
 
+def cut_middle(text: str, max_bytes: int) -> str:
+    """``text`` if its UTF-8 form fits in ``max_bytes``, else its head (a third) and its tail
+    (the rest) around a line ``[... N bytes cut by meshrun ...]``; the result fits in
+    ``max_bytes`` (at least the note's ~40 bytes). Never splits a character."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= max_bytes:
+        return text
+    widest = f"\n[... {len(data)} bytes cut by meshrun ...]\n"  # no count has more digits
+    room = max(0, max_bytes - len(widest))
+    head, tail = room // 3, room - room // 3
+    # The note counts the bytes left out, which the room for head and tail decides.
+    note = f"\n[... {len(data) - head - tail} bytes cut by meshrun ...]\n"
+    return (
+        data[:head].decode("utf-8", "ignore")
+        + note
+        + (data[len(data) - tail :].decode("utf-8", "ignore") if tail else "")
+    )
+
+
 def root_cause(failures: Iterable[WorkerFailure]) -> WorkerFailure:
     """The first failure: earliest ``timestamp_ms``, ties broken by the lower global rank.
 
@@ -170,6 +216,7 @@ def root_cause(failures: Iterable[WorkerFailure]) -> WorkerFailure:
 def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: job failed") -> str:
     """Render the failure report: the root cause in full, then one line per other failure.
 
+    Other failures get one line each (their message's first line, at most 200 characters).
     The root cause shows where it ran (host, node rank, local and global rank, pid), how it
     ended ("exit code 7" / "signal SIGKILL (exit status 137)"), when (local time, ms), the
     message and traceback (from error.json, else the kept stderr tail) and the log paths.
@@ -218,7 +265,7 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
             delta = f.timestamp_ms - first.timestamp_ms
             where = f"host {f.host or '?'}, node rank {f.node_rank}, local rank {f.local_rank}"
             log = f", stderr: {f.stderr_path}" if f.stderr_path else ""
-            note = f" - {f.message}" if f.message else ""
+            note = f" - {_first_line(f.message)}" if f.message else ""
             lines.append(
                 f"  rank {f.global_rank} ({where}, pid {f.pid}): {f.describe_exit()}"
                 f" at +{delta} ms{note}{log}"
@@ -228,6 +275,12 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _first_line(text: str, max_chars: int = 200) -> str:
+    """The first line of ``text``, cut to ``max_chars`` characters (with "..." when cut)."""
+    line = text.strip().split("\n", 1)[0]
+    return line if len(line) <= max_chars else line[: max_chars - 3] + "..."
 
 
 def _order(f: WorkerFailure) -> tuple[int, int]:

@@ -61,6 +61,9 @@ class Hang:
 class ProgressWatch:
     """Reads the progress counters of one group's workers and says who is hung.
 
+    Creates each rank's progress file (zeroed), so it must be made before the workers start:
+    a worker whose first heartbeat finds no file never reports progress.
+
     Args:
         worker_dirs: each local rank's log directory (its progress file lives there).
         timeout: seconds without progress after which a watched rank is hung.

@@ -9,6 +9,7 @@ peer agent, a line in an agent's log), never through sleeps that guess them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -29,8 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 class Job:
     """One c10d job on 127.0.0.1: `node()` starts one agent (its own session, logs in tmp)."""
 
-    def __init__(self, tmp: Path, nnodes: str, conf: str = "", max_restarts: int = 0):
+    def __init__(
+        self, tmp: Path, nnodes: str, conf: str = "", max_restarts: int = 0,
+        endpoint_host: str = "127.0.0.1",
+    ):  # fmt: skip
         self.tmp = tmp
+        self.endpoint_host = endpoint_host
         self.nnodes = nnodes
         self.port = free_port()
         self.max_restarts = max_restarts
@@ -45,7 +50,7 @@ class Job:
         name = f"node{len(self.nodes)}"
         cmd = [
             sys.executable, "-m", "meshrun", "--nnodes", self.nnodes, "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.endpoint_host}:{self.port}",
             "--rdzv-id", "chaos", "--rdzv-conf", self.conf, "--monitor-interval", "0.1",
             "--max-restarts", str(self.max_restarts), *extra,
             str(WORKER), str(self.records), str(self.stop_file),
@@ -90,8 +95,8 @@ class Job:
 def job_factory(tmp_path):
     jobs: list[Job] = []
 
-    def make(nnodes: str, conf: str = "", max_restarts: int = 0) -> Job:
-        job = Job(tmp_path / f"job{len(jobs)}", nnodes, conf, max_restarts)
+    def make(nnodes: str, conf: str = "", max_restarts: int = 0, **kw) -> Job:
+        job = Job(tmp_path / f"job{len(jobs)}", nnodes, conf, max_restarts, **kw)
         job.tmp.mkdir()
         jobs.append(job)
         return job
@@ -161,3 +166,29 @@ def test_sigterm_while_stopping_a_failed_group_exits_143(launch):
     err = err_path.read_text()
     assert proc.returncode == 143, err
     assert "received SIGTERM" in err, err
+
+
+def _resolves_to_loopback(name: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(
+    not _resolves_to_loopback(socket.gethostname()),
+    reason="this host's name does not map to a loopback address here",
+)
+def test_host_name_on_loopback_is_never_the_master_addr(job_factory):
+    """The endpoint is this machine's host name, which maps to a loopback address here (as
+    Debian's /etc/hosts maps it to 127.0.1.1): the workers of the two-node round must get a
+    MASTER_ADDR that another machine could reach, never a loopback one; the round runs."""
+    wait = {"CHAOS_MODE": "wait"}
+    job = job_factory("2", endpoint_host=socket.gethostname())
+    host, other = _start_pair(job, env0=wait, env1=wait)
+    addrs = {r["master_addr"] for r in job.records_()}
+    assert not any(ipaddress.ip_address(a).is_loopback for a in addrs), (addrs, job.logs())
+    job.stop_file.touch()
+    assert [host.wait(30), other.wait(30)] == [0, 0], job.logs()

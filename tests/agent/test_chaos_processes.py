@@ -87,3 +87,16 @@ def test_double_forked_daemon_does_not_outlive_the_job(launch):
     while time.monotonic() < deadline and alive(daemon):
         time.sleep(0.05)
     assert not alive(daemon), f"the daemon {daemon} outlived the job"
+
+
+@pytest.mark.timeout(60)
+def test_progress_files_exist_before_the_workers_start(launch):
+    """With --hang-timeout each worker's progress file must exist when the worker starts: a
+    heartbeat before it exists finds no file and turns hang detection off for that rank for
+    good. Four workers that are a shell checking the file at once (the fastest a worker can
+    get to a first heartbeat) all find it; meshrun exits 0."""
+    res = launch.run(
+        ["--nproc-per-node", "4", "--hang-timeout", "30", "--no-python", "sh", "-c",
+         'test -s "$MESHRUN_PROGRESS_FILE" || { echo "no progress file yet" >&2; exit 9; }'],
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr

@@ -1,7 +1,7 @@
 """chaos_worker.py RECORDS STOP: a worker for the multi-node interleaving tests.
 
-Joins the gloo group, all_reduces once, appends {rank, round, restart count} as a JSON line to
-RECORDS, then, by ``CHAOS_MODE``:
+Joins the gloo group, all_reduces once, appends {rank, round, restarts, pid, master_addr} as a
+JSON line to RECORDS, then, by ``CHAOS_MODE``:
 
 - "loop" (default): an all_reduce every 50 ms until STOP exists (a peer that vanishes makes
   this rank fail with gloo's "Connection closed by peer");
@@ -31,6 +31,7 @@ with open(records, "a") as f:
     f.write(json.dumps({
         "rank": rank, "round": int(os.environ["MESHRUN_ROUND"]),
         "restarts": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "pid": os.getpid(),
+        "master_addr": os.environ["MASTER_ADDR"],
     }) + "\n")  # fmt: skip
 print(f"ready rank={rank}", flush=True)
 if str(rank) in os.environ.get("CHAOS_DONE_RANKS", "").split(","):
