@@ -17,7 +17,7 @@ always drained. Each chunk goes
   A write error (a full disk: ENOSPC, EDQUOT, EIO...) is said once on the agent's stderr and
   that file is dropped; the pipe keeps being drained and the worker never notices;
 - to the console (the agent's stdout or stderr) when asked, through a bounded queue per stream
-  (:class:`ConsoleStream`, 256 KiB) that one writer thread per :class:`Console` empties. The
+  (:class:`ConsoleStream`, 1 MiB) that one writer thread per :class:`Console` empties. The
   rank prefix is inserted at the start of every line: after each ``\\n`` and after each
   ``\\r``, so a tqdm bar that redraws itself with ``\\r`` still renders, prefixed. A partial
   line is written at once; the prefix is inserted where the next line starts. While one
@@ -315,7 +315,7 @@ class Console:
         self,
         stream: Callable[[], BinaryIO],
         hold_s: float = 0.1,
-        max_queued_bytes: int = 256 * 1024,
+        max_queued_bytes: int = 1024 * 1024,
         stall_s: float = 0.5,
     ) -> None:
         self._stream = stream
@@ -500,7 +500,7 @@ class Console:
             else:
                 _write_fd(fd, out)
             return True
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - whatever it is, the console is gone, not the job
             return False
 
 

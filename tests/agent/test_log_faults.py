@@ -14,9 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from meshrun.agent.logs import Console, LogFile
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
@@ -111,10 +115,10 @@ def test_full_log_disk_is_said_once_and_training_goes_on(launch, small_disk):
 @pytest.mark.timeout(90)
 def test_console_nobody_reads_never_blocks_the_workers(launch, tmp_path):
     """meshrun's stdout and stderr are a pipe that nobody reads (it fills at 64 KiB). Two ranks
-    print 1 MB each: they are never blocked, the job ends with exit 0, and every log file is
+    print 1.6 MB each: they are never blocked, the job ends with exit 0, and every log file is
     complete, byte for byte."""
     logs = tmp_path / "logs"
-    lines, width = 5000, 200
+    lines, width = 8000, 200
     r, w = os.pipe()
     try:
         proc = launch.start(
@@ -156,12 +160,12 @@ NOTE = re.compile(
 
 @pytest.mark.timeout(120)
 def test_stalled_console_drops_lines_with_one_note_and_a_count(launch, tmp_path):
-    """The console's consumer is stopped (SIGSTOP) while two ranks print 1 MB each; the workers
+    """The console's consumer is stopped (SIGSTOP) while two ranks print 1.6 MB each; the workers
     finish their output all the same. Once the consumer resumes, the console shows whole lines
     only, each with its rank's prefix (never two ranks' lines glued), one note per rank and
     drop episode with the count, and lines shown + lines counted as dropped = lines printed."""
     logs, go, shown = tmp_path / "logs", tmp_path / "go", tmp_path / "console.txt"
-    lines, width = 5000, 200
+    lines, width = 8000, 200
     with open(shown, "wb") as sink:
         consumer = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=sink)
     try:
@@ -346,3 +350,77 @@ def test_log_max_bytes_spellings_env_and_config_file(tmp_path, monkeypatch):
     assert build_config(["t.py"], {"PET_LOG_MAX_BYTES": "2M"}).log_max_bytes == 2 * 1024**2
     Path("job.toml").write_text("log_max_bytes = 1000\n")
     assert build_config(["--config", "job.toml", "t.py"], {}).log_max_bytes == 1000
+
+
+# --- the pieces, in process --------------------------------------------------------------------
+
+
+class _StoppedReader:
+    """A console whose writes block until ``resume`` is set (a reader that stopped reading)."""
+
+    def __init__(self) -> None:
+        self.resume = threading.Event()
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.resume.wait()
+        self.data += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_console_queue_drops_whole_lines_with_one_note_and_never_blocks_a_put():
+    reader = _StoppedReader()
+    con = Console(lambda: reader, max_queued_bytes=1000)
+    s = con.stream("[0]: ", "rank 0's stdout", "/logs/0/stdout.log")
+    lines = [f"line {i:04d}\n".encode() for i in range(1000)]  # 10 bytes each
+    t0 = time.monotonic()
+    for line in lines:
+        s.put(line)
+    assert time.monotonic() - t0 < 1.0, "a put waited for the console"
+    reader.resume.set()
+    assert con.flush(5.0)
+    s.put(b"after\n")
+    assert s.close()
+    shown = reader.data.decode().splitlines()
+    assert all(ln.startswith("[0]: ") for ln in shown)
+    body = [ln[5:] for ln in shown]
+    [note] = [ln for ln in body if ln.startswith("meshrun:")]
+    n = int(re.search(r"slow, (\d+) lines", note).group(1))
+    full = [ln for ln in body if ln.startswith("line ")]
+    assert full == [ln.decode().rstrip("\n") for ln in lines[: len(full)]]  # in order, whole
+    assert len(full) + n == 1000 and 0 < n < 1000
+    assert f"({n * 10} bytes) of rank 0's stdout not shown; /logs/0/stdout.log" in note
+    assert body[-1] == "after" and body[-2] == note
+
+
+@pytest.mark.timeout(30)
+def test_log_file_write_error_is_said_once_and_the_file_dropped():
+    said: list[str] = []
+    f = LogFile("/dev/full", on_error=said.append)  # every write: ENOSPC
+    for _ in range(3):
+        f.write(b"x" * 100)
+    assert f.dropped and len(said) == 1, said
+    assert "cannot write /dev/full: No space left on device (ENOSPC)" in said[0]
+
+
+@pytest.mark.timeout(30)
+def test_log_file_rotation_cuts_at_line_ends_and_keeps_three(tmp_path):
+    path = tmp_path / "stdout.log"
+    f = LogFile(path, max_bytes=12)
+    f.write(b"aaaa\nbbbb\ncccc\n")  # 15 bytes: cut after "bbbb\n"
+    f.write(b"a line longer than twelve\n")  # split: no line end fits
+    f.write(b"dd\n")
+    f.close()
+    files = [path.with_name(f"stdout.log.{i}") for i in (3, 2, 1)] + [path]
+    assert [p.read_bytes() for p in files] == [
+        b"cccc\n",
+        b"a line longe",
+        b"r than twelv",
+        b"e\ndd\n",
+    ]
+    assert b"".join(p.read_bytes() for p in files) == b"cccc\na line longer than twelve\ndd\n"
+    assert not path.with_name("stdout.log.4").exists()  # "aaaa\nbbbb\n" rotated away
