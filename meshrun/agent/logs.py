@@ -258,6 +258,8 @@ class ConsoleStream:
         self.dropped_lines = 0
         self.dropped_bytes = 0
         self.dropped_at_line_start = True  # the last dropped byte ended a line
+        self.in_traceback = False  # a "Traceback (most recent call last):" line was written
+        self.line_head = b""  # the start of the line being written, to spot that header
 
     def put(self, data: bytes) -> None:
         """Queue ``data`` for the console, or drop it when the queue is full. Never blocks
@@ -326,7 +328,8 @@ class Console:
         self._items: deque[_Item] = deque()
         self._thread: threading.Thread | None = None
         self._broken = False
-        self._holder: ConsoleStream | None = None  # whose line is unfinished on the console
+        self._holder: ConsoleStream | None = None  # whose line or traceback is unfinished
+        self._holder_open = False  # the holder's last byte was not "\n" (a line to break)
         self._held_at = 0.0  # monotonic time of the holder's last write
         self._worth_waiting = False  # False for a line ended by "\r" (a progress bar state)
         self._writes = 0  # completed writes, for close()'s progress check
@@ -411,9 +414,20 @@ class Console:
                     self._items = kept
                     if s.dropped_bytes:
                         self._append(_Item(s, s._note(), True))
+                    self._release(s)
                     return False
                 self._cond.wait(left)
+            self._release(s)
             return not self._broken
+
+    def _release(self, s: ConsoleStream) -> None:
+        """A closed stream writes nothing more: the others need not wait for it."""
+        s.in_traceback = False
+        if self._holder is s:
+            self._worth_waiting = False
+            if not self._holder_open:
+                self._holder = None
+        self._cond.notify_all()
 
     # --- writer side (one thread) -------------------------------------------------------------
 
@@ -476,14 +490,19 @@ class Console:
             out = b"\n"  # a note starts a line of its own
             s.prefixer.break_line()
         out += s.prefixer.feed(data)
-        if self._holder not in (None, s):
-            out = b"\n" + out
-            self._holder.prefixer.break_line()
-        if data.endswith(b"\n"):
+        holder = self._holder
+        if holder not in (None, s):
+            if self._holder_open:
+                out = b"\n" + out
+                holder.prefixer.break_line()
+            holder.in_traceback = False  # its hold expired: the block is cut here
+        _track_traceback(s, data)
+        ends_line = data.endswith(b"\n")
+        if ends_line and not s.in_traceback:
             self._holder = None
         else:
-            self._holder, self._held_at = s, time.monotonic()
-            self._worth_waiting = not data.endswith(b"\r")
+            self._holder, self._held_at, self._holder_open = s, time.monotonic(), not ends_line
+            self._worth_waiting = s.in_traceback or not data.endswith(b"\r")
         return out
 
     def _emit(self, out: bytes) -> bool:
@@ -502,6 +521,26 @@ class Console:
             return True
         except Exception:  # noqa: BLE001 - whatever it is, the console is gone, not the job
             return False
+
+
+_TRACEBACK = b"Traceback (most recent call last):"
+_LINE_HEAD = 80
+
+
+def _track_traceback(s: ConsoleStream, data: bytes) -> None:
+    """Set ``s.in_traceback`` once a line of ``data`` holds Python's traceback header (also
+    "Exception Group Traceback"). It stays set (the console holds other streams for this
+    one, ``hold_s`` after each of its writes) until the hold expires or the stream closes: a
+    traceback, chained ones included, is written in a burst of small writes."""
+    if s.in_traceback:
+        return
+    for m in _SEGMENT.finditer(data):
+        seg = m.group()
+        head = (s.line_head + seg)[:_LINE_HEAD]  # the header is near a line's start
+        if _TRACEBACK in head:
+            s.in_traceback, s.line_head = True, b""
+            return
+        s.line_head = b"" if seg.endswith((b"\n", b"\r")) else head
 
 
 def _write_fd(fd: int, data: bytes) -> None:

@@ -424,3 +424,34 @@ def test_log_file_rotation_cuts_at_line_ends_and_keeps_three(tmp_path):
     ]
     assert b"".join(p.read_bytes() for p in files) == b"cccc\na line longer than twelve\ndd\n"
     assert not path.with_name("stdout.log.4").exists()  # "aaaa\nbbbb\n" rotated away
+
+
+@pytest.mark.timeout(30)
+def test_console_keeps_a_rank_s_traceback_in_one_block():
+    """A traceback is written in many small writes; another rank's lines wait (up to hold_s
+    after each of them) until it is done, and are never held longer than that."""
+    out = _StoppedReader()
+    out.resume.set()
+    con = Console(lambda: out, hold_s=0.3)
+    a, b = con.stream("A: "), con.stream("B: ")
+    tb = [
+        b"Traceback (most recent call last):\n",
+        b'  File "t.py", line 3, in <module>\n',
+        b"    f()\n",
+        b"ValueError: ",
+        b"boom\n",
+    ]
+    a.put(tb[0])
+    b.put(b"other 1\n")  # waits: A is inside a traceback
+    for i, part in enumerate(tb[1:], 1):
+        threading.Timer(0.05 * i, a.put, (part,)).start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert con.flush(2.0)
+    assert time.monotonic() - t0 < 0.5  # held hold_s after A's last write, no longer
+    b.put(b"other 2\n")
+    a.close()
+    assert con.flush(1.0)
+    assert bytes(out.data) == b"".join(b"A: " + p if p != b"boom\n" else p for p in tb) + (
+        b"B: other 1\nB: other 2\n"
+    )
