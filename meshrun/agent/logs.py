@@ -16,21 +16,23 @@ always drained. Each chunk goes
   kept and the oldest is deleted, so a stream never takes more than 4 x ``max_bytes`` of disk.
   A write error (a full disk: ENOSPC, EDQUOT, EIO...) is said once on the agent's stderr and
   that file is dropped; the pipe keeps being drained and the worker never notices;
-- to the console (the agent's stdout or stderr) when asked, through a bounded queue per stream
-  (:class:`ConsoleStream`, 1 MiB) that one writer thread per :class:`Console` empties. The
-  rank prefix is inserted at the start of every line: after each ``\\n`` and after each
-  ``\\r``, so a tqdm bar that redraws itself with ``\\r`` still renders, prefixed. A partial
-  line is written at once; the prefix is inserted where the next line starts. While one
-  worker's line is unfinished on the console, another worker's output waits for it up to
-  ``Console.hold_s`` (0.1 s), then breaks the line: ``print`` under ``python -u`` writes the
-  text and the ``\\n`` separately; without the hold, two ranks printing together would glue
-  lines. When the console cannot keep up (its reader is slow, stopped, or a pipe nobody
-  reads), the stream's queue fills and its console output is dropped, in whole lines, until the
-  queue has drained to half; then one note on that stream says how many lines and bytes were
-  not shown and which log file has them. A closed console (EPIPE) ends the console copy
-  silently; the log files still get everything;
+- to the console (the agent's stdout or stderr) when asked: into the stream's bounded queue
+  (:class:`ConsoleStream`), never more (see "The console" below);
 - for stderr, into a bounded in-memory tail (:class:`StderrTail`) for the failure report;
 - to the filtered file, for lines that contain any of the duplicate filters.
+
+The console: one writer thread per :class:`Console` empties the streams' queues (1 MiB each),
+in arrival order, inserting the rank prefix at the start of every line: after each ``\\n`` and
+each ``\\r``, so a tqdm bar that redraws itself with ``\\r`` still renders, prefixed. A
+partial line is written at once; the prefix goes where the next line starts. While one rank's
+line is unfinished, another rank's output waits for it up to ``Console.hold_s`` (0.1 s), then
+breaks the line (``print`` under ``python -u`` writes the text and the ``\\n`` separately);
+the same hold keeps a Python traceback in one block. Only the writer thread ever waits: when
+the console cannot keep up (a slow reader, a stopped one, a pipe nobody reads), a stream's
+queue fills and its console output is dropped until the queue has drained to half, resuming
+at a line start (a line cut by the drop is ended where the note starts); one note on that
+stream then says how many lines and bytes were not shown and which log file has them. A closed console (EPIPE) ends the console copy silently. When the agent's
+stdout and stderr are one file (``2>&1``, a terminal), both streams share one writer.
 
 Duplicate filters mirror torchrun's ``--duplicate-stdout-filters`` /
 ``--duplicate-stderr-filters`` (``PContext`` in ``torch/distributed/elastic/multiprocessing/
@@ -297,8 +299,10 @@ class Console:
     line: another worker's chunk waits until that line ends, at most ``hold_s`` seconds after
     the holder's last write, then ends it with ``\\n`` itself (the holder's next output starts
     a new, prefixed line). A line that ends in ``\\r`` (a progress bar) is broken at once, so a
-    bar on one rank never slows the others. Since only the writer thread waits, a hold never
-    delays a worker.
+    bar on one rank never slows the others. After a ``Traceback (most recent call last):`` line
+    a worker holds the console the same way until it has written nothing for ``hold_s`` (or
+    its stream closed), so a traceback, written in many small writes, stays one block. Since
+    only the writer thread waits, a hold never delays a worker.
 
     Args:
         stream: a function returning the binary stream to write to, called per write (so a
