@@ -104,12 +104,13 @@ def make_char_lm():
 
     Needs ``examples/`` on ``sys.path``. Batches are the example's own (2 data-parallel ranks).
     """
-    import train_char_lm as lm
+    import char_lm as lm
+    from train_char_lm import DEFAULTS
 
     data, vocab = lm.load_text()
-    model = lm.CharLM(vocab, lm.DEFAULTS["block_size"])
+    model = lm.CharLM(vocab, DEFAULTS["block_size"])
 
-    size, block = lm.DEFAULTS["batch_size"], lm.DEFAULTS["block_size"]
+    size, block = DEFAULTS["batch_size"], DEFAULTS["block_size"]
     n_windows = (len(data) - 1) // block
 
     def batch(step, rank):  # step s: windows [2 s B, 2 (s + 1) B) of the stream, rank r's half

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tp.py [--steps 20] [--warmup 5] [--rounds 2]
 
-The same transformer block (examples/train_char_lm.py's ``Block``: fused qkv, causal
+The same transformer block (examples/char_lm/model.py's ``Block``: fused qkv, causal
 attention, 4x GELU MLP; n_embd 256, 8 heads, batch 8 x 128 tokens), 2 ranks on gloo (CPU, one
 thread per rank), with and without sequence parallelism. DTensor shards the fused ``qkv``
 rows contiguously, so its weight rows are permuted first ([q0 k0 v0 q1 k1 v1]) to give each
@@ -72,7 +72,7 @@ def worker(rank, framework, sp, port, steps, warmup, out_dir):
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    import train_char_lm as lm
+    import char_lm as lm
 
     torch.manual_seed(0)
     block = lm.Block(N_EMBD, N_HEAD)

@@ -42,29 +42,28 @@ two are kept. Saved: model, optimizer, step, data position, global batch and RNG
 by parameter name, so a start with any world size and any --pp/--tp/--dp layout loads the
 newest one (the directory must be visible to every rank). ``--fail-at-step S`` makes rank 0
 raise at step S on the first attempt (TORCHELASTIC_RESTART_COUNT=0), to show restart + resume.
+
+Files: this script (flags, checkpoints, the training loop); ``char_lm/model.py`` (the model),
+``char_lm/data.py`` (windows, epochs, batches), ``char_lm/parallelize.py`` (the mesh and the
+strategies, one step's forward / backward and gradient clip).
 """
 
 import argparse
-import contextlib
-import functools
 import math
 import os
 import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+from char_lm.data import batch_summary, check_batch, load_text, microbatches, window_ids, windows
+from char_lm.model import CharLM
+from char_lm.parallelize import clip_gradients, forward_backward, layout_problem, parallelize_lm
 
 # -------------------------------------------------------------------------------------------
-# config (defaults tuned so 300 steps on 2 CPU ranks take well under 3 minutes)
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")
-N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
+# flags (defaults tuned so 300 steps on 2 CPU ranks take well under 3 minutes)
 DEFAULTS = dict(steps=300, batch_size=16, block_size=64, lr=3e-3, seed=1337, log_every=25,
                 checkpoint_every=100)
 # data-parallel strategies; --parallel X is a shorthand for the single-strategy cases
@@ -116,106 +115,6 @@ def parse_args(argv=None):
             print(f"{p.prog}: error: {problem}", file=sys.stderr)
         sys.exit(2)
     return args
-
-
-# -------------------------------------------------------------------------------------------
-# model: token + position embedding, pre-norm blocks (causal self-attention + MLP), norm, head
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.head_dim = n_embd // n_head
-        self.ln1 = nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x):
-        # shapes from qkv, not x, and -1 for the head count: under tensor parallelism a rank
-        # holds n_head / tp heads, and under sequence parallelism x holds T / tp tokens
-        qkv = self.qkv(self.ln1(x))
-        B, T, _ = qkv.shape
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
-        return x + self.mlp(self.ln2(x))
-
-
-class CharLM(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD):
-        super().__init__()
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.Sequential(*[Block(n_embd, n_head) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size)
-        self.loss_fn = F.cross_entropy  # --tp: the vocab-parallel loss (logits stay sharded)
-
-    def forward(self, idx, targets):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.blocks(self.tok_emb(idx) + self.pos_emb(pos))
-        logits = self.head(self.ln_f(x))
-        return self.loss_fn(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-
-# -------------------------------------------------------------------------------------------
-# data: an epoch is every window once, in a seeded order; step s trains on windows
-# [s G, (s + 1) G) of that stream, split by data-parallel rank, then into microbatches
-
-
-def load_text(path=DATA):
-    with open(path) as f:
-        text = f.read()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([stoi[c] for c in text], dtype=torch.long), len(chars)
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(n_windows, seed, epoch):
-    return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 1_000_003
-                                                                            + epoch))
-
-
-def window_ids(position, count, n_windows, seed):
-    """Windows ``position .. position + count - 1`` of the endless stream of epochs."""
-    ids = []
-    while count > 0:
-        epoch, offset = divmod(position, n_windows)
-        take = min(count, n_windows - offset)
-        ids.append(epoch_order(n_windows, seed, epoch)[offset:offset + take])
-        position, count = position + take, count - take
-    return torch.cat(ids)
-
-
-def accumulation_steps(global_batch, dp_size, batch_size):
-    """Microbatches per rank per step: enough that none exceeds ``batch_size`` windows."""
-    if global_batch < dp_size:
-        raise SystemExit(f"--global-batch-size {global_batch} is smaller than the data-"
-                         f"parallel size {dp_size}: every rank needs at least one window")
-    return max(1, ceil_div(ceil_div(global_batch, dp_size), batch_size))
-
-
-def ceil_div(a, b):
-    return -(-a // b)
-
-
-def microbatches(ids, dp_rank, dp_size, n_micro):
-    """This rank's part of a step's window ids, as ``n_micro`` nearly equal microbatches."""
-    part = torch.tensor_split(ids, dp_size)[dp_rank]
-    return torch.tensor_split(part, n_micro)
-
-
-def windows(data, ids, block_size):
-    """Inputs and targets ``[len(ids), block_size]`` of the given windows."""
-    starts = ids * block_size
-    x = torch.stack([data[s:s + block_size] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts.tolist()])
-    return x, y
 
 
 # -------------------------------------------------------------------------------------------
@@ -294,258 +193,19 @@ class StopRequest:
         return int(flag.item())
 
 
-# -------------------------------------------------------------------------------------------
-# parallelism: one mesh {"pp", "dp", "tp"} (TP innermost); `parallelize_lm` applies each
-# strategy in a fixed order with a short apply_* function: TP, then the PP split, then DP
-
-
-@dataclass
-class Parallel:
-    """What the training loop needs from `parallelize_lm`."""
-
-    lm: nn.Module  # the full CharLM: parameter names (under TP: local shards), checkpoints
-    model: nn.Module  # what to call for forward and backward without a pipeline
-    modules: nn.Module  # this rank's part of the model: give its parameters to the optimizer
-    schedule: object | None  # the pipeline schedule (--pp > 1), else None
-    mesh: object | None  # meshrun.parallel.Mesh; None in one process or with torch-ddp
-    dp_rank: int
-    dp_size: int
-
-
-def parallelize_lm(model, args):
-    """Apply ``--pp``, ``--tp`` and ``--dp`` (``--dp-mode``) to ``model`` over one mesh.
-
-    The mesh is ``Mesh({"pp": P, "dp": D, "tp": T})`` (D defaults to world size / (P T)).
-    Order: TP on the whole CharLM first, so its parameter names and the plan's keys stay those
-    of CharLM and the Embed / LMHead wrappers of the split share the already sharded modules;
-    then the pipeline split, keeping this rank's stages; then data parallelism on each of them
-    over the "dp" axis (fsdp: each block, then the stage; ddp: the stage). The char LM's
-    embedding and head are separate parameters (untied), so no gradient has to be summed
-    across the first and last stages. Under plain python (one process) nothing is applied;
-    ``--dp-mode torch-ddp`` (the reference, needs no meshrun) is for pure data parallelism.
-    """
-    distributed = dist.is_initialized()
-    world_size = dist.get_world_size() if distributed else 1
-    problem = layout_problem(args, world_size)
-    if problem:
-        raise SystemExit(problem)
-    pp, tp = args.pp, args.tp
-    dp = args.dp if args.dp is not None else world_size // (pp * tp)
-    if not distributed or (args.dp_mode == "torch-ddp" and pp == tp == 1):
-        dp_rank = dist.get_rank() if distributed else 0
-        wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
-        return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
-                        dp_rank=dp_rank, dp_size=dp)
-    try:  # imported only here: one process and torch-ddp need no meshrun
-        from meshrun.parallel import Mesh
-    except ImportError as e:
-        raise SystemExit(f"--dp-mode {args.dp_mode}, --tp and --pp need meshrun importable "
-                         f"({e}): `pip install -e .` or set PYTHONPATH to the repository "
-                         f"root") from None
-    mesh = Mesh({"pp": pp, "dp": dp, "tp": tp})
-    if tp > 1:  # before the split: the plan names CharLM's modules
-        apply_tp(model, mesh.group("tp"), args.sequence_parallel)
-    schedule, stages = None, [model]
-    if pp > 1:
-        schedule = apply_pp(model, mesh.group("pp"), args)
-        stages = [stage.submodule for stage in schedule.stages]
-    if dp > 1:  # per stage: the pipeline switches gradient sync per stage module
-        for module in stages:
-            (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, mesh.group("dp"))
-    return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
-                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp)
-
-
-def layout_problem(args, world_size):
-    """What is wrong with ``--pp/--tp/--dp/--dp-mode`` for this world size, or None."""
-    pp, tp = args.pp, args.tp
-    if args.dp is None and world_size % (pp * tp):
-        return (f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world_size} "
-                f"(data parallelism takes the rest)")
-    dp = args.dp if args.dp is not None else world_size // (pp * tp)
-    if pp * dp * tp != world_size:
-        return (f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} ranks, but the world "
-                f"size is {world_size}: make the product equal the world size")
-    if args.sequence_parallel and tp == 1:
-        return "--sequence-parallel needs --tp > 1"
-    if args.dp_mode == "torch-ddp" and world_size > 1 and (pp > 1 or tp > 1):
-        return ("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) is for "
-                "pure data parallelism; with --pp or --tp use --dp-mode ddp or fsdp")
-    stages = pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
-    if pp > 1 and stages > N_LAYER:
-        how = f"{pp} pipeline ranks x 2 stages (interleaved)" if stages > pp else \
-            f"{pp} pipeline ranks"
-        return (f"--pp {pp}: {how} = {stages} stages, but the model has {N_LAYER} blocks; "
-                f"use at most {N_LAYER} stages")
-    if N_HEAD % tp:
-        return f"--tp {tp} must divide the model's {N_HEAD} attention heads"
-    return None
-
-
-def apply_torch_ddp(model):
-    from torch.nn.parallel import DistributedDataParallel
-
-    device = next(model.parameters()).device
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                   else None)
-
-
-def apply_ddp(module, group):
-    from meshrun.parallel import ddp
-
-    ddp(module, group)
-
-
-def apply_fsdp(module, group):
-    """One unit per block, then the module (the stage or CharLM: embeddings, norm, head)."""
-    from meshrun.parallel import fully_shard
-
-    for block in module.blocks.children():  # CharLM: nn.Sequential; a stage: nn.ModuleDict
-        fully_shard(block, group)
-    fully_shard(module, group)  # the optimizer steps on the shards the parameters now hold
-
-
-# -------------------------------------------------------------------------------------------
-# tensor parallelism (--tp N): Megatron-style, vocab-parallel embedding and loss
-
-
-def tp_plan(sequence_parallel=False):
-    """The CharLM's TP plan: attention and MLP are column -> row pairs; vocab-parallel ends."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    from meshrun.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    seq = Shard(1) if sequence_parallel else Replicate()  # activations between TP regions
-    plan = {
-        "tok_emb": RowwiseParallel(),  # vocab-parallel embedding (65 chars padded to 66)
-        "blocks.*.qkv": ColwiseParallel(input_layouts=seq, chunks=3),  # whole heads per rank
-        "blocks.*.proj": RowwiseParallel(output_layouts=seq),
-        "blocks.*.mlp.0": ColwiseParallel(input_layouts=seq),
-        "blocks.*.mlp.2": RowwiseParallel(output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, vocab_parallel=True),  # sharded logits
-    }
-    if sequence_parallel:  # split the sequence after the embeddings (at the first block, so
-        # under --pp too: later stages receive sequence shards); norms on token shards
-        plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
-                                              desired_input_layouts=Shard(1))
-        for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
-            plan[name] = SequenceParallel()
-    return plan
-
-
-def apply_tp(model, group, sequence_parallel):
-    from functools import partial
-
-    from meshrun.parallel import parallelize, vocab_parallel_cross_entropy
-
-    parallelize(model, group, tp_plan(sequence_parallel))
-    model.loss_fn = partial(vocab_parallel_cross_entropy, group=group)
-
-
-# -------------------------------------------------------------------------------------------
-# pipeline parallelism (--pp N): the blocks split into N stages (2N with interleaved 1F1B),
-# embeddings on the first, norm and head on the last
-
-
-class Embed(nn.Module):  # the first stage's prologue: CharLM.forward's embedding line
-    def __init__(self, lm):
-        super().__init__()
-        self.tok_emb, self.pos_emb = lm.tok_emb, lm.pos_emb
-
-    def forward(self, idx):
-        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
-
-
-class LMHead(nn.Module):  # the last stage's epilogue: final norm and head -> logits
-    def __init__(self, lm):
-        super().__init__()
-        self.ln_f, self.head = lm.ln_f, lm.head
-
-    def forward(self, x):
-        return self.head(self.ln_f(x))
-
-
-def lm_loss(logits, targets, loss_fn=F.cross_entropy):
-    return loss_fn(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-
-def apply_pp(model, group, args):
-    """Split the model into stages; return the schedule of this rank's stages."""
-    from functools import partial
-
-    from meshrun.parallel.pipelining import pipeline, split_into_stages
-
-    n_stages = args.pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
-    stages = split_into_stages(model.blocks, n_stages, first=Embed(model), last=LMHead(model))
-    return pipeline(stages, group, schedule=args.pp_schedule,
-                    n_microbatches=args.pp_microbatches,
-                    loss_fn=partial(lm_loss, loss_fn=model.loss_fn))  # --tp: vocab-parallel
-
-
-def forward_backward(par, batches, global_batch, device):
-    """Forward and backward of this rank's microbatches of one step.
-
-    Returns this rank's share of the step's loss: the sum over its microbatches of mean loss x
-    windows / G, so that the shares of the data-parallel ranks add up to the mean loss over
-    the G windows (--pp: on the last stage; 0 elsewhere). Gradients are weighted the same way
-    (x D, since data parallelism averages over D ranks) and synchronised on the last
-    microbatch only."""
-    if par.schedule is not None:  # --pp: the schedule's microbatches are the accumulation
-        (x, y), = batches
-        losses = []
-        par.schedule.step(x.to(device), target=y.to(device), losses=losses,
-                          return_outputs=False)
-        share = len(x) / global_batch
-        return torch.stack(losses).mean() * share if losses else torch.zeros((), device=device)
-    total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(batches):
-        weight = len(x) / global_batch
-        with sync_gradients(par.model, i == len(batches) - 1):
-            loss = par.model(x.to(device), y.to(device))
-            (loss * weight * par.dp_size).backward()
-        total += loss.detach() * weight
-    return total
-
-
-def sync_gradients(model, enabled):
-    """Gradient accumulation: synchronise gradients only on the last microbatch."""
-    if enabled and not hasattr(model, "set_requires_gradient_sync"):
-        return contextlib.nullcontext()  # one microbatch: nothing to switch (and no import)
-    from meshrun.parallel import gradient_sync  # meshrun ddp / fsdp, and torch's DDP
-
-    return gradient_sync(model, enabled)
-
-
-def clip_gradients(par, max_norm):
-    """Clip by the norm of the whole model's gradient, over every axis of the mesh."""
-    params = list(par.modules.parameters())
-    if par.mesh is None:  # one process, or torch-ddp: every rank holds the whole gradient
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    from meshrun.parallel import clip_grad_norm_
-
-    return clip_grad_norm_(params, max_norm, mesh=par.mesh)
-
-
 def main(argv=None):
     args = parse_args(argv)
     distributed = "RANK" in os.environ
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)
-    if distributed:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=120))
+    if distributed:  # the torchrun environment -> process group (nccl / gloo) and device
+        from meshrun.parallel import init
+
+        ctx = init(timeout=120)
+        rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
+    else:  # plain python: one process, no process group
+        rank, world_size = 0, 1
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     master = rank == 0
 
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts anyway)
@@ -632,29 +292,6 @@ def make_optimizer(args, params):
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
-
-
-def batch_summary(args, global_batch, dp_size, n_micro):
-    """``global batch 32: 2 data-parallel ranks x 2 microbatches of <= 8 windows``."""
-    if args.pp > 1:
-        n_micro = args.pp_microbatches
-        kind = "pipeline microbatches"
-    else:
-        kind = "microbatch" + ("es" if n_micro > 1 else "") + " (accumulated)" * (n_micro > 1)
-    ranks = f"{dp_size} data-parallel rank{'s' if dp_size > 1 else ''}"
-    return (f"global batch {global_batch}: {ranks} x {n_micro} {kind} of <= "
-            f"{ceil_div(global_batch, dp_size * n_micro)} windows")
-
-
-def check_batch(args, global_batch, dp_size):
-    """Microbatches per rank (see the module docstring); one clear line if G does not fit."""
-    if args.pp > 1:
-        if global_batch % dp_size or (global_batch // dp_size) % args.pp_microbatches:
-            raise SystemExit(f"--pp: the global batch {global_batch} must split into "
-                             f"{dp_size} data-parallel parts of a multiple of "
-                             f"--pp-microbatches {args.pp_microbatches} windows")
-        return 1
-    return accumulation_steps(global_batch, dp_size, args.batch_size)
 
 
 if __name__ == "__main__":

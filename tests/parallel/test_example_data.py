@@ -1,7 +1,7 @@
 """The example's data rule: every step trains on the next G windows of an epoch-ordered stream,
 split over any number of data-parallel ranks and microbatches, none twice and none skipped.
 
-Pure functions of examples/train_char_lm.py, in this process (no group).
+Pure functions of examples/char_lm/data.py, in this process (no group).
 """
 
 import sys
@@ -12,7 +12,7 @@ import torch
 from tests.parallel.harness import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
-import train_char_lm as lm  # noqa: E402 - the example is a script, not a package
+import char_lm as lm  # noqa: E402 - the example's package, beside its script
 
 pytestmark = pytest.mark.timeout(60)
 

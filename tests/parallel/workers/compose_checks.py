@@ -1,4 +1,5 @@
-"""N-D composition (pipeline x data x tensor parallel on one mesh) of examples/train_char_lm.py.
+"""N-D composition (pipeline x data x tensor parallel on one mesh) of examples/train_char_lm.py
+(its char_lm package).
 
 Run with 2 ranks (``checks_2``) or 4 (``checks_4``): each check builds a small CharLM, applies
 the example's own `parallelize_lm` for one ``(pp, tp, dp)`` and trains 2 SGD steps with the
@@ -26,7 +27,8 @@ from meshrun.parallel.placement import global_shape, pieces, sharded_over
 from tests.parallel.harness import run_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import train_char_lm as lm  # noqa: E402
+import char_lm as lm  # noqa: E402
+import train_char_lm as train  # noqa: E402
 
 VOCAB, T, B, STEPS = 65, 8, 4, 2  # 65 chars: padded to 66 under tp 2; B: per dp rank
 MAX_NORM = 0.5  # below the initial gradient norm (checked), so the clip scales
@@ -65,7 +67,7 @@ def compare(par, ref, what, grads):
 
 def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
            count_syncs=False):
-    args = lm.parse_args(["--pp", str(pp), "--tp", str(tp), "--dp", str(dp), "--dp-mode", mode,
+    args = train.parse_args(["--pp", str(pp), "--tp", str(tp), "--dp", str(dp), "--dp-mode", mode,
                           "--pp-schedule", schedule, "--pp-microbatches", "2"])
     torch.manual_seed(0)
     model = lm.CharLM(VOCAB, T, n_layer=n_layer, n_head=2, n_embd=16)
@@ -77,9 +79,9 @@ def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
     opt = torch.optim.SGD(par.modules.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     syncs = []
-    original = fsdp_unit.reduce_scatter
+    original = fsdp_unit.reduce_scatter_flat
     if count_syncs:
-        fsdp_unit.reduce_scatter = lambda *a, **k: syncs.append(1) or original(*a, **k)
+        fsdp_unit.reduce_scatter_flat = lambda *a, **k: syncs.append(1) or original(*a, **k)
     try:
         for step in range(STEPS):
             ids = lm.window_ids(step * B * dp, B * dp, (len(DATA) - 1) // T, 1)
@@ -111,7 +113,7 @@ def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
             ref_opt.step()
             compare(par, ref, f"after step {step} param", grads=False)
     finally:
-        fsdp_unit.reduce_scatter = original
+        fsdp_unit.reduce_scatter_flat = original
 
 
 # 2 ranks
@@ -141,22 +143,17 @@ def check_refusals(ctx):
         (dict(pp=2, pp_schedule="interleaved1f1b", dp=1),
          "--pp 2: 2 pipeline ranks x 2 stages (interleaved) = 4 stages, but the model has"),
     ]:
-        args = lm.parse_args([])
+        args = train.parse_args([])
         vars(args).update(flags)
-        if flags.get("pp_schedule"):  # a model of 2 blocks: 4 stages do not fit
-            lm.N_LAYER, n_layer = 2, lm.N_LAYER
-        try:
-            problem = lm.layout_problem(args, ctx.world_size)
-            assert problem and fragment in problem, f"{fragment!r} not in {problem!r}"
-            try:  # parallelize_lm refuses too (it is also called without parse_args)
-                lm.parallelize_lm(lm.CharLM(VOCAB, T, n_layer=2, n_head=2, n_embd=16), args)
-            except SystemExit as e:
-                assert fragment in str(e), f"{fragment!r} not in {e}"
-            else:
-                raise AssertionError(f"{flags}: no error")
-        finally:
-            if flags.get("pp_schedule"):
-                lm.N_LAYER = n_layer
+        # a model of 2 blocks of 2 heads: 4 (interleaved) stages do not fit
+        problem = lm.layout_problem(args, ctx.world_size, n_layer=2, n_head=2)
+        assert problem and fragment in problem, f"{fragment!r} not in {problem!r}"
+        try:  # parallelize_lm refuses too, from the model it is given
+            lm.parallelize_lm(lm.CharLM(VOCAB, T, n_layer=2, n_head=2, n_embd=16), args)
+        except SystemExit as e:
+            assert fragment in str(e), f"{fragment!r} not in {e}"
+        else:
+            raise AssertionError(f"{flags}: no error")
 
 
 # 4 ranks

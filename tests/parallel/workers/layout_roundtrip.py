@@ -39,7 +39,9 @@ from tests.parallel.harness import run_checks
 from tests.parallel.workers.compose_checks import full_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import train_char_lm as lm  # noqa: E402
+import char_lm as lm  # noqa: E402
+import char_lm.parallelize  # noqa: E402
+import train_char_lm as train  # noqa: E402
 
 VOCAB, T, G = 65, 8, 8  # G: windows per step at every layout
 DATA = torch.randint(VOCAB, (4000,), generator=torch.Generator().manual_seed(3))
@@ -66,11 +68,12 @@ def make_optimizer(case: dict, named: list[tuple[str, nn.Parameter]]):
 
 
 def parallelize(model: nn.Module, layout: dict):
-    args = lm.parse_args(["--pp", str(layout["pp"]), "--dp", str(layout["dp"]),
+    args = train.parse_args(["--pp", str(layout["pp"]), "--dp", str(layout["dp"]),
                           "--tp", str(layout["tp"]), "--dp-mode", layout["mode"],
                           "--pp-microbatches", "2"])
     # the unused parameter: meshrun's ddp must be told (FSDP gives it a zero gradient)
-    lm.apply_ddp = lambda module, group: ddp(module, group, find_unused_parameters=True)
+    char_lm.parallelize.apply_ddp = lambda module, group: ddp(module, group,
+                                                          find_unused_parameters=True)
     return lm.parallelize_lm(model, args)
 
 
@@ -139,7 +142,7 @@ def check_save(case: dict, path: str) -> None:
         agree(par, ref[step], f"layout A {a}, step {step}", loss, norm)
         saving.append(local(par))
         if step == k - 1:
-            state = lm.checkpoint_state(par, optimizer, step=k, position=k * G, global_batch=G)
+            state = train.checkpoint_state(par, optimizer, step=k, position=k * G, global_batch=G)
             checkpoint.save(state, path, async_=case["async"])  # async: trains on at once
     checkpoint.wait()
     par, optimizer = distributed_run(case, a, case["seed"])
@@ -155,7 +158,7 @@ def check_load(case: dict, path: str) -> None:
     k, m, b = case["k"], case["m"], case["b"]
     ref = reference(case)
     par, optimizer = distributed_run(case, b, init_seed=case["seed"] + 1)  # load overwrites
-    state = lm.checkpoint_state(par, optimizer, step=0, position=0, global_batch=0)
+    state = train.checkpoint_state(par, optimizer, step=0, position=0, global_batch=0)
     checkpoint.load(state, path)
     assert (state["step"], state["data"]) == (k, {"position": k * G, "global_batch": G}), state
     agree(par, ref[k - 1], f"layout B {b}, just loaded")

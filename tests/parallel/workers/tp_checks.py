@@ -34,7 +34,7 @@ from meshrun.parallel import (
 from tests.parallel.harness import run_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import train_char_lm as lm  # noqa: E402
+import char_lm as lm  # noqa: E402
 
 B, T, C = 2, 8, 16
 TOL = dict(atol=2e-5, rtol=1e-4)

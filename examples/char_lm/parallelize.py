@@ -1,0 +1,261 @@
+"""Parallelism for the char LM: one mesh {"pp", "dp", "tp"} (TP innermost); `parallelize_lm`
+applies each strategy in a fixed order with a short apply_* function (TP, then the pipeline
+split, then data parallelism), and says on rank 0 what it applied; `forward_backward` and
+`clip_gradients` are one step's parallel parts."""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from char_lm.model import N_HEAD, N_LAYER
+
+
+@dataclass
+class Parallel:
+    """What the training loop needs from `parallelize_lm`."""
+
+    lm: nn.Module  # the full CharLM: parameter names (under TP: local shards), checkpoints
+    model: nn.Module  # what to call for forward and backward without a pipeline
+    modules: nn.Module  # this rank's part of the model: give its parameters to the optimizer
+    schedule: object | None  # the pipeline schedule (--pp > 1), else None
+    mesh: object | None  # meshrun.parallel.Mesh; None in one process or with torch-ddp
+    dp_rank: int
+    dp_size: int
+
+
+def parallelize_lm(model, args):
+    """Apply ``--pp``, ``--tp`` and ``--dp`` (``--dp-mode``) to ``model`` over one mesh.
+
+    The mesh is ``Mesh({"pp": P, "dp": D, "tp": T})`` (D defaults to world size / (P T)).
+    Order: TP on the whole CharLM first, so its parameter names and the plan's keys stay those
+    of CharLM and the Embed / LMHead wrappers of the split share the already sharded modules;
+    then the pipeline split, keeping this rank's stages; then data parallelism on each of them
+    over the "dp" axis (fsdp: each block, then the stage; ddp: the stage). The char LM's
+    embedding and head are separate parameters (untied), so no gradient has to be summed
+    across the first and last stages. Under plain python (one process) nothing is applied;
+    ``--dp-mode torch-ddp`` (torch's DistributedDataParallel, the reference) is for pure data
+    parallelism. Rank 0 prints one line of what was applied (``parallelize: ...``).
+    """
+    distributed = dist.is_initialized()
+    world_size = dist.get_world_size() if distributed else 1
+    problem = layout_problem(args, world_size, n_layer=len(model.blocks),
+                             n_head=model.blocks[0].n_head)
+    if problem:
+        raise SystemExit(problem)
+    pp, tp = args.pp, args.tp
+    dp = args.dp if args.dp is not None else world_size // (pp * tp)
+    if not distributed or (args.dp_mode == "torch-ddp" and pp == tp == 1):
+        dp_rank = dist.get_rank() if distributed else 0
+        wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
+        if dp > 1:
+            _say(f"parallelize: torch DistributedDataParallel over {dp} ranks")
+        return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
+                        dp_rank=dp_rank, dp_size=dp)
+    from meshrun.parallel import Mesh
+
+    mesh = Mesh({"pp": pp, "dp": dp, "tp": tp})
+    applied = []
+    if tp > 1:  # before the split: the plan names CharLM's modules
+        apply_tp(model, mesh.group("tp"), args.sequence_parallel)
+        applied.append(f"tp {tp} ({len(tp_plan(args.sequence_parallel))} plan entries"
+                       f"{', sequence parallel' if args.sequence_parallel else ''})")
+    schedule, stages = None, [model]
+    if pp > 1:
+        schedule = apply_pp(model, mesh.group("pp"), args)
+        stages = [stage.submodule for stage in schedule.stages]
+        applied.append(f"pp {pp} ({args.pp_schedule}, {len(stages)} stage(s) on this rank, "
+                       f"{args.pp_microbatches} microbatches)")
+    if dp > 1:  # per stage: the pipeline switches gradient sync per stage module
+        for module in stages:
+            (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, mesh.group("dp"))
+        applied.append(f"{args.dp_mode} over dp {dp}" + (" (a unit per block, then the rest)"
+                                                         if args.dp_mode == "fsdp" else ""))
+    _say(f"parallelize: mesh {dict(zip(mesh.axes, (pp, dp, tp), strict=True))}: "
+         + ("; ".join(applied) or "nothing to apply"))
+    return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
+                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp)
+
+
+def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
+    """What is wrong with ``--pp/--tp/--dp/--dp-mode`` for this world size and a model of
+    ``n_layer`` blocks of ``n_head`` heads (default: the CharLM's defaults), or None."""
+    pp, tp = args.pp, args.tp
+    if args.dp is None and world_size % (pp * tp):
+        return (f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world_size} "
+                f"(data parallelism takes the rest)")
+    dp = args.dp if args.dp is not None else world_size // (pp * tp)
+    if pp * dp * tp != world_size:
+        return (f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} ranks, but the world "
+                f"size is {world_size}: make the product equal the world size")
+    if args.sequence_parallel and tp == 1:
+        return "--sequence-parallel needs --tp > 1"
+    if args.dp_mode == "torch-ddp" and world_size > 1 and (pp > 1 or tp > 1):
+        return ("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) is for "
+                "pure data parallelism; with --pp or --tp use --dp-mode ddp or fsdp")
+    stages = pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
+    if pp > 1 and stages > n_layer:
+        how = f"{pp} pipeline ranks x 2 stages (interleaved)" if stages > pp else \
+            f"{pp} pipeline ranks"
+        return (f"--pp {pp}: {how} = {stages} stages, but the model has {n_layer} blocks; "
+                f"use at most {n_layer} stages")
+    if n_head % tp:
+        return f"--tp {tp} must divide the model's {n_head} attention heads"
+    return None
+
+
+def apply_torch_ddp(model):
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                   else None)
+
+
+def apply_ddp(module, group):
+    from meshrun.parallel import ddp
+
+    ddp(module, group)
+
+
+def apply_fsdp(module, group):
+    """One unit per block, then the module (the stage or CharLM: embeddings, norm, head)."""
+    from meshrun.parallel import fully_shard
+
+    for block in module.blocks.children():  # CharLM: nn.Sequential; a stage: nn.ModuleDict
+        fully_shard(block, group)
+    fully_shard(module, group)  # the optimizer steps on the shards the parameters now hold
+
+
+# -------------------------------------------------------------------------------------------
+# tensor parallelism (--tp N): Megatron-style, vocab-parallel embedding and loss
+
+
+def tp_plan(sequence_parallel=False):
+    """The CharLM's TP plan: attention and MLP are column -> row pairs; vocab-parallel ends."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshrun.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    seq = Shard(1) if sequence_parallel else Replicate()  # activations between TP regions
+    plan = {
+        "tok_emb": RowwiseParallel(),  # vocab-parallel embedding (65 chars padded to 66)
+        "blocks.*.qkv": ColwiseParallel(input_layouts=seq, chunks=3),  # whole heads per rank
+        "blocks.*.proj": RowwiseParallel(output_layouts=seq),
+        "blocks.*.mlp.0": ColwiseParallel(input_layouts=seq),
+        "blocks.*.mlp.2": RowwiseParallel(output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, vocab_parallel=True),  # sharded logits
+    }
+    if sequence_parallel:  # split the sequence after the embeddings (at the first block, so
+        # under --pp too: later stages receive sequence shards); norms on token shards
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
+                                              desired_input_layouts=Shard(1))
+        for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[name] = SequenceParallel()
+    return plan
+
+
+def apply_tp(model, group, sequence_parallel):
+    from functools import partial
+
+    from meshrun.parallel import parallelize, vocab_parallel_cross_entropy
+
+    parallelize(model, group, tp_plan(sequence_parallel))
+    model.loss_fn = partial(vocab_parallel_cross_entropy, group=group)
+
+
+# -------------------------------------------------------------------------------------------
+# pipeline parallelism (--pp N): the blocks split into N stages (2N with interleaved 1F1B),
+# embeddings on the first, norm and head on the last
+
+
+class Embed(nn.Module):  # the first stage's prologue: CharLM.forward's embedding line
+    def __init__(self, lm):
+        super().__init__()
+        self.tok_emb, self.pos_emb = lm.tok_emb, lm.pos_emb
+
+    def forward(self, idx):
+        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+
+
+class LMHead(nn.Module):  # the last stage's epilogue: final norm and head -> logits
+    def __init__(self, lm):
+        super().__init__()
+        self.ln_f, self.head = lm.ln_f, lm.head
+
+    def forward(self, x):
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits, targets, loss_fn=F.cross_entropy):
+    return loss_fn(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def apply_pp(model, group, args):
+    """Split the model into stages; return the schedule of this rank's stages."""
+    from functools import partial
+
+    from meshrun.parallel.pipelining import pipeline, split_into_stages
+
+    n_stages = args.pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
+    stages = split_into_stages(model.blocks, n_stages, first=Embed(model), last=LMHead(model))
+    return pipeline(stages, group, schedule=args.pp_schedule,
+                    n_microbatches=args.pp_microbatches,
+                    loss_fn=partial(lm_loss, loss_fn=model.loss_fn))  # --tp: vocab-parallel
+
+
+def forward_backward(par, batches, global_batch, device):
+    """Forward and backward of this rank's microbatches of one step.
+
+    Returns this rank's share of the step's loss: the sum over its microbatches of mean loss x
+    windows / G, so that the shares of the data-parallel ranks add up to the mean loss over
+    the G windows (--pp: on the last stage; 0 elsewhere). Gradients are weighted the same way
+    (x D, since data parallelism averages over D ranks) and synchronised on the last
+    microbatch only."""
+    if par.schedule is not None:  # --pp: the schedule's microbatches are the accumulation
+        (x, y), = batches
+        losses = []
+        par.schedule.step(x.to(device), target=y.to(device), losses=losses,
+                          return_outputs=False)
+        share = len(x) / global_batch
+        return torch.stack(losses).mean() * share if losses else torch.zeros((), device=device)
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        weight = len(x) / global_batch
+        with sync_gradients(par.model, i == len(batches) - 1):
+            loss = par.model(x.to(device), y.to(device))
+            (loss * weight * par.dp_size).backward()
+        total += loss.detach() * weight
+    return total
+
+
+def sync_gradients(model, enabled):
+    """Gradient accumulation: synchronise gradients only on the last microbatch."""
+    if enabled and not hasattr(model, "set_requires_gradient_sync"):
+        return contextlib.nullcontext()  # one microbatch: nothing to switch (and no import)
+    from meshrun.parallel import gradient_sync  # meshrun ddp / fsdp, and torch's DDP
+
+    return gradient_sync(model, enabled)
+
+
+def clip_gradients(par, max_norm):
+    """Clip by the norm of the whole model's gradient, over every axis of the mesh."""
+    params = list(par.modules.parameters())
+    if par.mesh is None:  # one process, or torch-ddp: every rank holds the whole gradient
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from meshrun.parallel import clip_grad_norm_
+
+    return clip_grad_norm_(params, max_norm, mesh=par.mesh)
+
+
+def _say(line):
+    if dist.get_rank() == 0:
+        print(line, flush=True)
