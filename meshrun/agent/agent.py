@@ -188,7 +188,7 @@ class Agent:
                 store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
             )
             code = self._loop(rdzv, reaper, bootstrap)
-            if store.serves_others:
+            if store.serves_others and self._signal is None:  # a signal exits promptly
                 rdzv.wait_for_others_to_leave()
             if code == EXIT_OK and self._temp_logs and self._log_root is not None:
                 shutil.rmtree(self._log_root.parent, ignore_errors=True)
@@ -273,8 +273,10 @@ class Agent:
                     if result is not None and result.state is WorkerState.SUCCEEDED:
                         reason = self._interruptible(rdzv.exit_barrier, c.monitor_interval)
                         if reason is None:
-                            self._end_round(rdzv, bootstrap)
+                            # Say so before stopping what is left (a lingering descendant can
+                            # take the whole grace): the store host waits for that, bounded.
                             rdzv.leave()
+                            self._end_round(rdzv, bootstrap)
                             return EXIT_OK
                     elif result is not None:
                         reason = self._on_failure(rdzv, info, result)

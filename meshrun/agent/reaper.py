@@ -266,21 +266,33 @@ def _kill_groups(watched: dict[int, int | None], died: int) -> None:
         targets.extend(children.get(pid, ()))
     me = os.getpid()
     for pid in seen - {me, 1}:
-        fd = _pidfd(pid)
-        if fd is None:
-            continue
-        try:
-            now = _stat(pid)
-            if now is not None and now[3] == procs[pid][3]:  # still the process we found
-                _quiet(signal.pidfd_send_signal, fd, signal.SIGKILL)
-        finally:
-            os.close(fd)
+        _kill_if_same(pid, procs[pid][3])
+
+
+def _kill_if_same(pid: int, start: int) -> None:
+    """SIGKILL ``pid`` if it still is the process that started at ``start`` (clock ticks):
+    through a pidfd opened before the check, so the signal reaches the process checked."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfds (Linux < 5.3): check, then kill by pid
+        now = _stat(pid)
+        if now is not None and now[3] == start:
+            _quiet(os.kill, pid, signal.SIGKILL)
+        return
+    try:
+        now = _stat(pid)
+        if now is not None and now[3] == start:  # still the process we found
+            _quiet(signal.pidfd_send_signal, fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
 
 
 def _pidfd(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
-    except OSError:  # gone, or pidfds unsupported (Linux < 5.3)
+    except (AttributeError, OSError):  # gone, or pidfds unsupported (Linux < 5.3)
         return None
 
 

@@ -13,6 +13,9 @@ Keys, under ``/meshrun/<run_id>/``::
     r<T>/closed             written once: the members of round T, in node-rank order
     r<T>/master             "host:port" of the workers' bootstrap store (node rank 0 writes it)
     r<T>/done, alldone      the exit barrier
+    r<T>/succeeded/<node_id>  written once by a member whose workers all succeeded, before it
+                            waits in the exit barrier: if it is lost then, its part is done and
+                            the others do not restart the round for it
     r<T>/failure/<rank>     each node's worker failures, for the job-wide root cause
     r<T>/reported, allreported, left
     liveness/<node_id>      heartbeats (etcd: lease-bound keys)
@@ -383,7 +386,7 @@ class Rendezvous:
         self._raise_if_ended(state)
         if state.round != info.round:
             return state.reason or f"round {state.round} started"
-        lost = self._heartbeat.lost_neighbour
+        lost = self._lost_member()
         if lost is not None:
             return self.request_restart(f"node {lost} lost", failure=False)
         if info.num_nodes < self.settings.max_nodes:
@@ -467,6 +470,8 @@ class Rendezvous:
         looks lost.
         """
         info = self.info
+        # Durable before waiting: a node lost from here on has done its part of the round.
+        self.store.set_once(self._round_key(info.round, "succeeded", self.me.node_id), b"1")
         done = self.store.add(self._round_key(info.round, "done"), 1)
         alldone = self._round_key(info.round, "alldone")
         if done >= info.num_nodes:
@@ -482,9 +487,25 @@ class Rendezvous:
             self._raise_if_ended(state)
             if state.round != info.round:
                 return state.reason
-            lost = self._heartbeat.lost_neighbour
+            lost = self._lost_member()
             if lost is not None:
                 return self.request_restart(f"node {lost} lost", failure=False)
+
+    def _lost_member(self) -> str | None:
+        """The lost neighbour of this running round, unless its workers had all succeeded (it
+        wrote ``succeeded`` before its exit barrier): its part is done, so the round goes on
+        without it (the job finishes once the others' workers succeed) and this node watches
+        the next member on the ring instead."""
+        lost = self._heartbeat.lost_neighbour
+        if lost is None:
+            return None
+        if self.store.get(self._round_key(self.info.round, "succeeded", lost)) is None:
+            return lost
+        ids = [m.node_id for m in self.info.nodes]
+        following = ids[(ids.index(lost) + 1) % len(ids)] if lost in ids else None
+        log.warning("meshrun: node %s lost after its workers succeeded; the round goes on", lost)
+        self._heartbeat.watch(None if following == self.me.node_id else following)
+        return None
 
     def _finish_job(self) -> None:
         info = self.info

@@ -192,3 +192,50 @@ def test_host_name_on_loopback_is_never_the_master_addr(job_factory):
     assert not any(ipaddress.ip_address(a).is_loopback for a in addrs), (addrs, job.logs())
     job.stop_file.touch()
     assert [host.wait(30), other.wait(30)] == [0, 0], job.logs()
+
+
+@pytest.mark.timeout(90)
+def test_node_still_stopping_a_lingering_descendant_after_success_exits_0(job_factory):
+    """Every worker succeeded, but node 1's worker left a descendant in its group that ignores
+    SIGTERM, so node 1's stop takes its whole --shutdown-timeout 6, longer than the host's
+    close_timeout=2: node 1 still exits 0 (it had said it read the outcome before stopping;
+    before, it found the store gone afterwards and exited 3), and the descendant is gone."""
+    job = job_factory("2", conf="close_timeout=2")
+    extra = ("--shutdown-timeout", "6")
+    host, other = _start_pair(
+        job, env0={"CHAOS_MODE": "wait"},
+        env1={"CHAOS_DONE_RANKS": "1", "CHAOS_LINGER": "1"}, extra=extra,
+    )  # fmt: skip
+    linger = job.wait_until(lambda: _read_int(job.tmp / "linger_1"), 30, "the lingering child")
+    job.stop_file.touch()
+    assert host.wait(30) == 0, job.logs()
+    assert other.wait(30) == 0, job.logs()
+    assert not alive(linger)
+
+
+@pytest.mark.timeout(90)
+def test_node_lost_after_its_workers_succeeded_does_not_restart_the_others(job_factory):
+    """--nnodes 1:2: node 1's worker succeeds at once and node 1 waits in the exit barrier;
+    then node 1's agent is killed (kill -9). Its part of the job is done, so node 0 must not
+    re-run the script in a new round: its worker goes on, and when it succeeds the job is
+    finished (exit 0), and no rank records a new round."""
+    job = job_factory("1:2")
+    host, other = _start_pair(job, env0={"CHAOS_MODE": "wait"}, env1={"CHAOS_DONE_RANKS": "1"})
+    rank1 = next(r for r in job.records_() if r["rank"] == 1)
+    job.wait_until(lambda: not alive(rank1["pid"]), 30, "rank 1 to exit 0")
+    time.sleep(1.0)  # node 1's agent is in the exit barrier (monitor interval 0.1 s)
+    before = job.records_()
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait(10)
+    time.sleep(7)  # > 2 x dead_after: node 0 has seen node 1 lost by now
+    assert job.records_() == before, f"the script ran again:\n{job.records_()}\n{job.logs()}"
+    job.stop_file.touch()
+    assert host.wait(30) == 0, job.logs()
+    assert job.records_() == before, job.logs()
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
