@@ -130,15 +130,15 @@ def _counting_classes():
         ``make_liveness(node_id, dead_after)`` builds the heartbeat's inner liveness."""
 
         beat_ops = 0
-        t_joined = t_closed = 0.0  # phases: when this agent drew its join number / saw the close
+        t_joined = t_closed = 0.0  # phases: when this agent had joined / saw the close
 
         def __init__(self, inner, make_liveness):
             super().__init__(inner)
             self._make_liveness = make_liveness
 
-        def add(self, key, delta):
-            out = super().add(key, delta)
-            if delta and key.endswith("/joined") and not self.t_joined:
+        def register(self, prefix, name, value):
+            out = super().register(prefix, name, value)
+            if prefix.endswith("/node/") and not self.t_joined:
                 self.t_joined = time.time()
             return out
 

@@ -101,8 +101,8 @@ def main() -> None:
         "--etcd-max-txn-ops",
         type=int,
         default=None,
-        help="etcd's --max-txn-ops (default: etcd's own, 128). meshrun's EtcdStore reads a "
-        "round's N slots in one transaction, which etcd refuses above this limit",
+        help="etcd's --max-txn-ops (default: etcd's own, 128). meshrun's EtcdStore splits "
+        "multi-key reads into transactions of at most 128; a round's joiners are one range",
     )
     p.add_argument(
         "--connect-in-round",
@@ -303,8 +303,9 @@ def part_time_to_rank(
             "`next_round`, as in the agent: a lease grant + put, then a lease keep-alive every "
             "0.5 s; a neighbour check once the round is closed) and the job-lease refresher's "
             "(a keep-alive every 10/3 s, not counted). HTTP requests: every POST of the "
-            "protocol (a watch is one streaming POST; a compare-and-set is one transaction; an "
-            "`add` is a read plus one transaction per try), then the heartbeat's. The agents' "
+            "protocol (a watch is one streaming POST; a compare-and-set is one transaction; a "
+            "join is one transaction that creates the node's own key and counts the round's), "
+            "then the heartbeat's. The agents' "
             "read_timeout is the case's timeout, as for the TCPStore clients; the job lease "
             "TTL is the default's 10 s. CPU: user+system seconds of the etcd process and of "
             "the agent processes between 'go' and the last node rank (or the cap), from "

@@ -97,7 +97,7 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
     item = store.get(prefix + "state")
     if item is not None:
         state = JobState.from_json(item.value)
-    elif store.add(prefix + "r0/joined", 0) > 0:
+    elif store.count(prefix + "r0/node/") > 0:
         state = JobState()  # round 0: the state is first written when it changes
     else:
         return None
@@ -107,7 +107,7 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
     round_key = f"{prefix}r{state.round}/"
     closed = store.get(round_key + "closed")
     if closed is None:
-        joined = store.add(round_key + "joined", 0)
+        joined = store.count(round_key + "node/")
         lines.append(f"round {state.round} is open: {joined} node(s) joined so far")
     else:
         members = json.loads(closed.value)
@@ -118,7 +118,7 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
                 f"  node rank {rank}: {m['node_id']}  addr {m['addr']}  nproc {m['nproc']}  "
                 f"{alive[m['node_id']]}"
             )
-    waiting = store.add(f"{prefix}r{state.round + 1}/joined", 0)
+    waiting = store.count(f"{prefix}r{state.round + 1}/node/")
     lines.append(f"waiting: {waiting} node(s) for round {state.round + 1}")
     return lines
 

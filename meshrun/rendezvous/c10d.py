@@ -7,11 +7,18 @@ and a blocked call holds its connection. So (DESIGN.md §3.2):
   TCPStore's native ``compare_set`` on the whole stored bytes (the writer id makes two writers
   of the same payload distinguishable);
 - every successful write of version ``v`` also creates the marker key ``k@v``, so waiting for
-  a change past version ``v`` is ``wait(["k@<v+1>"])``;
-- liveness is a heartbeat counter per node (`CounterLiveness`) on its own client connection.
+  a change past version ``v`` is ``wait(["k@<v+1>"])``; the marker of ``v-2`` is deleted then
+  (a waiter two versions behind sees the change at its wait's timeout, as every protocol wait
+  is bounded and re-reads);
+- a register (`Store.register`) is the contract's emulation on raw keys: ``<prefix>n`` (a
+  TCPStore counter) draws the position, one ``multi_set`` writes ``<prefix>at/<position>`` (the
+  value; waitable, as TCPStore waits for a key to exist) and ``<prefix>id/<name>``;
+- liveness is a heartbeat counter per node (`CounterLiveness`) on its own client connection;
+- ``delete_prefix`` lists the store's keys (``list_keys``, torch >= 2.6; with an older torch
+  nothing is deleted: the store dies with the job anyway) and deletes those under the prefix.
 
 Counters (``add``) are plain TCPStore counters and are not waitable; the protocol never waits
-on one. torch is imported lazily: only multi-node jobs pay for it, and only in the agent.
+on one. TCPStore's client does not retry a request, so an ``add`` applies once. torch is imported lazily: only multi-node jobs pay for it, and only in the agent.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import uuid
 from datetime import timedelta
 
-from meshrun.rendezvous.api import StoreLostError
+from meshrun.rendezvous.api import RendezvousError, StoreLostError
 from meshrun.rendezvous.store import CounterLiveness, Liveness, Store, Versioned
 
 DEFAULT_PORT = 29400
@@ -238,6 +245,8 @@ class TCPStoreBackend(Store):
         if stored != new_raw:
             return False, self._parse(stored) if stored else None
         self._call(self._store.set, f"{key}@{version}", b"1")
+        if version > 2:  # keep the last two markers: a key changed every round stays bounded
+            self._call(self._store.delete_key, f"{key}@{version - 2}")
         return True, Versioned(value, version)
 
     def add(self, key: str, delta: int) -> int:
@@ -251,6 +260,41 @@ class TCPStoreBackend(Store):
             if not _is_timeout(e):
                 raise self._lost(e) from None
         return self.get(key)
+
+    def register(self, prefix: str, name: str, value: bytes) -> int:
+        id_key = f"{prefix}id/{name}"
+        if self._call(self._store.check, [id_key]):
+            return int(self._call(self._store.get, id_key))
+        position = int(self._call(self._store.add, prefix + "n", 1))
+        self._call(
+            self._store.multi_set,
+            [f"{prefix}at/{position}", id_key],
+            [value, str(position).encode()],
+        )
+        return position
+
+    def entries(self, prefix: str, limit: int, timeout: float) -> list[bytes]:
+        keys = [f"{prefix}at/{position}" for position in range(1, limit + 1)]
+        if not keys:
+            return []
+        try:  # waits for entries counted but not written yet
+            self._store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
+        except Exception as e:  # noqa: BLE001
+            if not _is_timeout(e):
+                raise self._lost(e) from None
+            missing = next(i for i, k in enumerate(keys) if not self._call(self._store.check, [k]))
+            raise RendezvousError(
+                f"entry #{missing + 1} of {prefix} was counted but never written within "
+                f"{timeout:g} s (its writer died?)"
+            ) from None
+        return list(self._call(self._store.multi_get, keys))
+
+    def delete_prefix(self, prefix: str) -> None:
+        if not hasattr(self._store, "list_keys"):
+            return  # torch < 2.6: the keys stay until the store (the job) ends
+        for key in self._call(self._store.list_keys):
+            if key.startswith(prefix):
+                self._call(self._store.delete_key, key)
 
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         # Its own connection: the heartbeat thread must not queue behind a blocked wait.

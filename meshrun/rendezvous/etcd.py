@@ -19,7 +19,18 @@ The contract on etcd (`meshrun.rendezvous.store`):
 
 - a key's version is its ``mod_revision``; ``compare_and_set`` is one transaction comparing it
   (0, "absent", compares ``create_revision == 0``), whose failure branch reads the current value;
-- ``add`` is a compare-and-set loop on the counter's ``mod_revision``;
+- a register entry (`Store.register`) is the key ``<prefix><name>``, created in one
+  transaction only if absent; its position is the number of the prefix's keys at its create
+  revision (read in the same transaction, or, when a retry finds the key already there, at the
+  key's ``create_revision``), and ``entries`` is one range sorted by create revision. A join
+  is one request however many nodes join at once, and a retry after a lost reply finds the key
+  and counts nothing twice;
+- ``add`` is a compare-and-set loop on the counter's ``mod_revision`` that writes, in the same
+  transaction, a key naming this call: when a retry's compare fails because the earlier try
+  was applied (its reply lost), that key says so and the call returns that try's count;
+- every request that cannot reach a member, or times out, is sent again to the next member,
+  so every write here is safe to apply twice: a put of the same value, a "create if absent",
+  a compare on a revision, a delete;
 - ``get_many`` is one read-only transaction of ranges;
 - ``wait_for_change`` reads once, then *watches* the key from the next revision, bounded by the
   timeout: waiting costs no requests at all until something changes;
@@ -47,6 +58,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from meshrun.rendezvous.api import RendezvousError, StoreLostError
@@ -533,14 +545,83 @@ class EtcdStore(Store):
 
     def add(self, key: str, delta: int) -> int:
         item = self._get(key)
+        if delta == 0:
+            return int(item.value) if item is not None else 0  # a read: nothing written
+        applied = f"{key}@add/{uuid.uuid4().hex}"  # names this call (see the module docstring)
         while True:
-            count = int(item.value) if item is not None else 0
-            if delta == 0:
-                return count  # a read: nothing written (a missing counter reads 0)
-            ok, now, _ = self._cas(key, item.version if item else 0, str(count + delta).encode())
-            if ok:
-                return count + delta
-            item = now
+            count = (int(item.value) if item is not None else 0) + delta
+            compare = (
+                {"target": "MOD", "mod_revision": str(item.version)}
+                if item is not None
+                else {"target": "CREATE", "create_revision": "0"}
+            )
+            result = self._call(
+                "kv/txn",
+                {
+                    "compare": [{"key": _b64(key), "result": "EQUAL", **compare}],
+                    "success": [
+                        {"request_put": self._put(key, str(count).encode())},
+                        {"request_put": self._put(applied, str(count).encode())},
+                    ],
+                    "failure": [
+                        {"request_range": {"key": _b64(key)}},
+                        {"request_range": {"key": _b64(applied)}},
+                    ],
+                },
+            )
+            if not result.get("succeeded"):
+                key_kvs, applied_kvs = (
+                    r.get("response_range", {}).get("kvs") or [] for r in result["responses"]
+                )
+                if not applied_kvs:  # somebody else's write came first: try again
+                    item = _item(key_kvs[0]) if key_kvs else None
+                    continue
+                count = int(_unb64(applied_kvs[0].get("value", "")))  # our earlier try
+            self._call("kv/deleterange", {"key": _b64(applied)})
+            return count
+
+    def _put(self, key: str, value: bytes) -> dict:
+        put = {"key": _b64(key), "value": _b64(value)}
+        if self.job_lease:
+            put["lease"] = str(self.job_lease)
+        return put
+
+    def register(self, prefix: str, name: str, value: bytes) -> int:
+        key = prefix + name
+        count = {"key": _b64(prefix), "range_end": _range_end(prefix), "count_only": True}
+        result = self._call(
+            "kv/txn",
+            {
+                "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
+                             "create_revision": "0"}],
+                "success": [{"request_put": self._put(key, value)}, {"request_range": count}],
+                "failure": [{"request_range": {"key": _b64(key), "keys_only": True}}],
+            },
+        )  # fmt: skip
+        responses = result.get("responses") or []
+        if result.get("succeeded"):  # the count includes our entry: the transaction saw its put
+            return int(responses[1]["response_range"].get("count", 0))
+        kv = responses[0]["response_range"]["kvs"][0]  # ours, from an earlier try
+        at = self._call("kv/range", {**count, "revision": kv["create_revision"]})
+        return int(at.get("count", 0))
+
+    def count(self, prefix: str) -> int:
+        body = {"key": _b64(prefix), "range_end": _range_end(prefix), "count_only": True}
+        return int(self._call("kv/range", body).get("count", 0))
+
+    def entries(self, prefix: str, limit: int, timeout: float) -> list[bytes]:
+        if limit <= 0:
+            return []
+        body = {
+            "key": _b64(prefix), "range_end": _range_end(prefix), "limit": str(limit),
+            "sort_order": "ASCEND", "sort_target": "CREATE",
+        }  # fmt: skip
+        kvs = self._call("kv/range", body).get("kvs") or []
+        if len(kvs) < limit:
+            raise RendezvousError(
+                f"{prefix}: {limit} entries expected, {len(kvs)} found (deleted meanwhile?)"
+            )
+        return [_unb64(kv.get("value", "")) for kv in kvs]
 
     def wait_for_change(self, key, version, timeout):
         deadline = time.monotonic() + timeout

@@ -8,34 +8,50 @@ Keys, under ``/meshrun/<run_id>/``::
     state                   the job's state: {round, restarts, status, reason}; changed only by
                             compare-and-set, so every node agrees on the round and on how many
                             restarts the job has spent (DESIGN.md §3.1)
-    r<T>/joined             counter: the join order of round T (1, 2, ...)
-    r<T>/slot/<seq>         the NodeDesc of the node that drew ``seq``
+    r<T>/node/              register: the NodeDescs of round T's joiners, in join order
+    r<T>/quorum             written once by the MIN-th joiner (the others wait for it)
     r<T>/closed             written once: the members of round T, in node-rank order
     r<T>/master             "host:port" of the workers' bootstrap store (node rank 0 writes it)
-    r<T>/done, alldone      the exit barrier
+    r<T>/done/, alldone     the exit barrier (a register of the members whose workers succeeded)
     r<T>/succeeded/<node_id>  written once by a member whose workers all succeeded, before it
                             waits in the exit barrier: if it is lost then, its part is done and
                             the others do not restart the round for it
     r<T>/failure/<rank>     each node's worker failures, for the job-wide root cause
-    r<T>/reported, allreported, left
+    r<T>/reported/, allreported, r<T>/left/   registers: who reported, who left
+    swept                   the last round whose keys were deleted
     liveness/<node_id>      heartbeats (etcd: lease-bound keys)
 
-A round T is *open* while ``state.round == T`` and ``r<T>/closed`` is absent. Joining is one
-``add`` and one write; a node then waits for the MIN-th slot to appear (one wait), waits out
-the last call (one wait) and reads the membership (one get). One node closes the round -- the
-one that drew the MAX-th number, or after the last call the first to have joined -- by reading
-every slot and writing the membership once (one compare-and-set); the others step in only if
-it has not closed within ``dead_after``. The closer decides the membership and node ranks for
-everybody, in one write-once key, so no two nodes can ever see different memberships for the
-same round.
+Every count is a *register* (`Store.register`): a node creates its own entry, named by its
+node id, and its position is the order of creation. Registering twice counts once, so a request
+that the store applied but whose reply was lost (and was retried) never makes a phantom joiner
+or a phantom ``done``.
 
-While a round runs, each member does two reads per monitor tick (the state, and the join
-counter of the next round: nodes waiting there mean scale-up), and a heartbeat thread beats
+A round T is *open* while ``state.round == T`` and ``r<T>/closed`` is absent. Joining is one
+register; a node then waits for the quorum key (one wait), waits out the last call (one wait)
+and reads the membership (one get). One node closes the round -- the one at position MAX, or
+after the last call the first to have joined -- by reading the first entries and writing the
+membership once (one compare-and-set); the others step in only if it has not closed within
+dead_after. The closer decides the membership and node ranks for everybody, in one write-once
+key, so no two nodes can ever see different memberships for the same round.
+
+While a round runs, each member does two reads per monitor tick (the state, and the count of
+the next round's register: nodes waiting there mean scale-up), and a heartbeat thread beats
 and watches one neighbour on a ring (node rank r watches r+1 mod N), so dead-node detection
 costs O(1) per node whatever N is. Any member that sees a reason to restart (a local worker
 failure, a lost neighbour, waiting nodes) moves ``state`` to the next round with one
 compare-and-set; the others notice on their next tick. A failure also spends one restart of the
 job's budget -- once per round, however many nodes saw failures in it.
+
+Old rounds' keys are deleted by node rank 0 of round T, on its first monitor tick: every round
+up to T-2 not deleted yet (``swept`` remembers how far). No node needs them by then: every
+member of T has left them, a spare waits on T's keys, a node that fell behind (stopped, cut
+off) learns from ``state`` that its round is over. A job that ended leaves nothing on etcd
+(the last node out deletes the prefix).
+
+A job that succeeded is `JobFinished` only where a node waits to join (`next_round`); to a node
+whose round is still running (it fell behind while the others finished) `poll` and
+`request_restart` give it as a reason to leave the round, so it stops its workers and learns in
+`next_round` that the job is over.
 
 Node ranks (documented in the README): when every member gave ``--node-rank`` and the values are
 exactly 0..N-1, they are used; otherwise members of the previous round keep their relative
@@ -137,6 +153,11 @@ def next_state(state: JobState, *, failure: bool, reason: str, max_restarts: int
     return replace(state, round=state.round + 1, restarts=state.restarts + 1, reason=reason)
 
 
+def _finished(state: JobState) -> str:
+    """The reason a node whose round still runs leaves it: the job succeeded without it."""
+    return f"the job finished on the other nodes ({state.reason or 'succeeded'})"
+
+
 # -- the protocol -----------------------------------------------------------------------------
 
 
@@ -172,9 +193,10 @@ class Rendezvous:
         self._host_bootstrap = host_bootstrap
         self._clock = clock
         self._prefix = f"/meshrun/{settings.run_id}/"
-        self._joined: tuple[int, int] | None = None  # (round, seq) we hold a slot in
+        self._joined: tuple[int, int] | None = None  # (round, position) we registered in
         self._spare_noted = -1
         self._watched_round = -1  # the running round a waiting node watches a member of
+        self._swept = -1  # the last round whose keys this node knows to be deleted
         self.info: RendezvousInfo | None = None
         self._heartbeat = _Heartbeat(store, me.node_id, settings)
 
@@ -184,6 +206,24 @@ class Rendezvous:
 
     def _round_key(self, round: int, *parts: object) -> str:
         return self._key(f"r{round}", *parts)
+
+    def _nodes(self, round: int) -> str:
+        """The register of round ``round``'s joiners."""
+        return self._round_key(round, "node") + "/"
+
+    def _sweep(self, through: int) -> None:
+        """Delete the keys of every round up to ``through`` not deleted yet (see the module
+        docstring); a few store operations, once per round, on node rank 0."""
+        if through < 0 or through <= self._swept:
+            return
+        key = self._key("swept")
+        item = self.store.get(key)
+        start = int(item.value) + 1 if item is not None else 0
+        for round in range(start, through + 1):
+            self.store.delete_prefix(self._round_key(round) + "/")
+        if through >= start:
+            self.store.compare_and_set(key, item.version if item else 0, str(through).encode())
+        self._swept = through
 
     # -- state -------------------------------------------------------------------------------
     def read_state(self) -> tuple[JobState, int]:
@@ -217,10 +257,13 @@ class Rendezvous:
             if self.store.get(self._round_key(target, "closed")) is not None:
                 target += 1  # that round is running without us: queue for the next one
             if self._joined is None or self._joined[0] != target:
-                seq = self.store.add(self._round_key(target, "joined"), 1)
-                self.store.set_once(self._round_key(target, "slot", seq), self.me.to_json())
+                seq = self.store.register(self._nodes(target), self.me.node_id, self.me.to_json())
+                if seq == self.settings.min_nodes:
+                    self.store.set_once(self._round_key(target, "quorum"), b"1")
                 self._joined = (target, seq)
             members = self._wait_for_close(target)
+            if members is None:
+                continue  # the job moved past that round meanwhile
             if any(m.node_id == self.me.node_id for m in members):
                 info = self._complete(target, members)
                 if info is not None:
@@ -233,8 +276,9 @@ class Rendezvous:
                     target, len(members), self.settings.max_nodes,
                 )
 
-    def _wait_for_close(self, target: int) -> list[NodeDesc]:
-        """Wait until round ``target`` is closed (closing it ourselves when it is time)."""
+    def _wait_for_close(self, target: int) -> list[NodeDesc] | None:
+        """Wait until round ``target`` is closed (closing it ourselves when it is time); None
+        when the job moved past it without us (join the current round instead)."""
         s = self.settings
         closed_key = self._round_key(target, "closed")
         deadline: float | None = None
@@ -246,6 +290,8 @@ class Rendezvous:
                 return [NodeDesc(**d) for d in json.loads(closed.value)]
             state, version = self.read_state()
             self._raise_if_ended(state)
+            if state.round > target:
+                return None
             if state.round < target:
                 # A round runs; we wait for it to end (no join timeout while a job runs), and
                 # watch one of its members: if every member died, only we can tell.
@@ -262,12 +308,12 @@ class Rendezvous:
             now = self._clock()
             if deadline is None:
                 deadline = now + s.join_timeout
-            joined = self.store.add(self._round_key(target, "joined"), 0)
+            joined = self.store.count(self._nodes(target))
             if joined >= s.min_nodes and last_call_at is None:
                 last_call_at = now + s.last_call_timeout
             count = close_decision(joined, s.min_nodes, s.max_nodes, now, last_call_at)
             if count:
-                # One node closes the round (it reads every slot: O(N)); the others wait for it,
+                # One node closes the round (it reads the joiners: O(N)); the others wait for it,
                 # and step in only when it has not closed within dead_after (it may have died).
                 if self._is_closer(joined, count) or (step_in_at is not None and now >= step_in_at):
                     self._try_close(target, count)
@@ -282,16 +328,16 @@ class Rendezvous:
                     "nodes, lower MIN in --nnodes, or raise --rdzv-conf join_timeout"
                 )
             if joined < s.min_nodes:
-                # one wait: for the MIN-th node's slot to appear (or the deadline)
-                wait_key, until = self._round_key(target, "slot", s.min_nodes), deadline
+                # one wait: for the MIN-th joiner's quorum key (or the deadline)
+                wait_key, until = self._round_key(target, "quorum"), deadline
             else:
                 wait_key, until = closed_key, min(last_call_at, deadline)
             self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
             self._heartbeat.check()
 
     def _is_closer(self, joined: int, count: int) -> bool:
-        """The node that closes a round: the one that drew the MAX-th number, or, at the end of
-        the last call, the first to have joined."""
+        """The node that closes a round: the MAX-th to join, or, at the end of the last call,
+        the first to have joined."""
         seq = self._joined[1]
         return seq == count if joined >= self.settings.max_nodes else seq == 1
 
@@ -305,18 +351,8 @@ class Rendezvous:
 
     def _try_close(self, target: int, count: int) -> None:
         """Close round ``target`` with the first ``count`` joiners (one compare-and-set)."""
-        keys = [self._round_key(target, "slot", seq) for seq in range(1, count + 1)]
-        slots = self.store.get_many(keys)
-        for i, item in enumerate(slots):
-            while item is None:  # a joiner drew its number but has not written its slot yet
-                item = self.store.wait_for_change(keys[i], 0, self.settings.read_timeout)
-                if item is None:
-                    raise RendezvousError(
-                        f"round {target}: node #{i + 1} joined but never wrote its slot "
-                        f"within read_timeout={self.settings.read_timeout:g} s"
-                    )
-            slots[i] = item
-        members = assign_node_ranks([NodeDesc.from_json(item.value) for item in slots])
+        joiners = self.store.entries(self._nodes(target), count, self.settings.read_timeout)
+        members = assign_node_ranks([NodeDesc.from_json(raw) for raw in joiners])
         payload = json.dumps([asdict(m) for m in members]).encode()
         self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
 
@@ -383,14 +419,18 @@ class Rendezvous:
         info = self.info
         self._heartbeat.check()
         state, _ = self.read_state()
+        if state.status == SUCCEEDED:
+            return _finished(state)
         self._raise_if_ended(state)
         if state.round != info.round:
             return state.reason or f"round {state.round} started"
         lost = self._lost_member()
         if lost is not None:
             return self.request_restart(f"node {lost} lost", failure=False)
+        if info.node_rank == 0:
+            self._sweep(info.round - 2)
         if info.num_nodes < self.settings.max_nodes:
-            waiting = self.store.add(self._round_key(info.round + 1, "joined"), 0)
+            waiting = self.store.count(self._nodes(info.round + 1))
             if waiting > 0:
                 reason = f"{waiting} node(s) waiting to join"
                 return self.request_restart(reason, failure=False)
@@ -401,12 +441,15 @@ class Rendezvous:
 
         With ``failure=True`` one restart of the job's budget is spent, or, when it is spent,
         the job is marked failed and `JobFailed` is raised. If another node already moved the
-        round on, nothing more is spent. Returns the reason of the restart. ``round`` defaults
-        to the round this node is a member of (a waiting node names the running round).
+        round on, or the job already succeeded, nothing more is spent. Returns the reason of the
+        restart. ``round`` defaults to the round this node is a member of (a waiting node names
+        the running round).
         """
         round = self.info.round if round is None else round
         while True:
             state, version = self.read_state()
+            if state.status == SUCCEEDED:
+                return _finished(state)
             self._raise_if_ended(state)
             if state.round != round:
                 return state.reason
@@ -446,7 +489,8 @@ class Rendezvous:
         closed = self.store.get(self._round_key(round, "closed"))
         n = len(json.loads(closed.value)) if closed is not None else 0
         if self.info is not None and self.info.round == round:
-            if self.store.add(self._round_key(round, "reported"), 1) >= n:
+            reported = self._round_key(round, "reported") + "/"
+            if self.store.register(reported, self.me.node_id, b"1") >= n:
                 self.store.set_once(self._round_key(round, "allreported"), b"1")
             else:
                 self.store.wait_for_change(
@@ -472,7 +516,7 @@ class Rendezvous:
         info = self.info
         # Durable before waiting: a node lost from here on has done its part of the round.
         self.store.set_once(self._round_key(info.round, "succeeded", self.me.node_id), b"1")
-        done = self.store.add(self._round_key(info.round, "done"), 1)
+        done = self.store.register(self._round_key(info.round, "done") + "/", self.me.node_id, b"1")
         alldone = self._round_key(info.round, "alldone")
         if done >= info.num_nodes:
             self._finish_job()
@@ -489,7 +533,8 @@ class Rendezvous:
                 return state.reason
             lost = self._lost_member()
             if lost is not None:
-                return self.request_restart(f"node {lost} lost", failure=False)
+                reason = self.request_restart(f"node {lost} lost", failure=False)
+                return None if self.read_state()[0].status == SUCCEEDED else reason
 
     def _lost_member(self) -> str | None:
         """The lost neighbour of this running round, unless its workers had all succeeded (it
@@ -525,7 +570,7 @@ class Rendezvous:
         store that outlives the agents (etcd), the last node out deletes the job's keys.
         """
         round = self.read_state()[0].round
-        left = self.store.add(self._round_key(round, "left"), 1)
+        left = self.store.register(self._round_key(round, "left") + "/", self.me.node_id, b"1")
         if not self.store.serves_others and left >= self._expected_leavers(round):
             self.store.delete_prefix(self._prefix)
 
@@ -533,7 +578,7 @@ class Rendezvous:
         """Members of ``round`` plus the nodes waiting for the round after it."""
         closed = self.store.get(self._round_key(round, "closed"))
         members = len(json.loads(closed.value)) if closed is not None else 0
-        return members + self.store.add(self._round_key(round + 1, "joined"), 0)
+        return members + self.store.count(self._nodes(round + 1))
 
     def wait_for_others_to_leave(self) -> None:
         """On the node that hosts the store: keep serving until every member and spare has
@@ -541,9 +586,9 @@ class Rendezvous:
         round = self.read_state()[0].round
         expected = self._expected_leavers(round)
         deadline = self._clock() + self.settings.close_timeout
-        key = self._round_key(round, "left")
+        key = self._round_key(round, "left") + "/"
         while self._clock() < deadline:
-            if self.store.add(key, 0) >= expected:
+            if self.store.count(key) >= expected:
                 return
             time.sleep(0.05)
 

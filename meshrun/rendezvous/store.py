@@ -1,15 +1,29 @@
 """The store contract the rendezvous protocol is written against, and an in-memory store.
 
-The protocol needs five things from a store, and nothing more:
+The protocol needs these things from a store, and nothing more:
 
 - ``get(key)`` -> the value and its *version* (a number that grows on every write);
 - ``compare_and_set(key, expected_version, value)``: write only if nobody wrote since we read
   (``expected_version=0`` means "only if absent") -- the one primitive that decides races;
-- ``add(key, delta)``: an atomic counter (join order, barriers);
+- a *register* (join order, barriers): ``register(prefix, name, value)`` creates the entry
+  ``name`` unless it exists and returns its position in creation order (1, 2, ...);
+  ``count(prefix)`` and ``entries(prefix, limit, timeout)`` read it back. Creating an entry
+  that exists creates nothing, so a request retried after a lost reply counts once;
 - ``wait_for_change(key, version, timeout)``: block until the key's version differs from
   ``version`` (0 waits for the key to appear), without polling where the store can notify;
 - liveness: ``liveness(node_id, dead_after)`` gives a `Liveness` to beat for this node and to
-  ask whether another node is still beating.
+  ask whether another node is still beating;
+- ``delete_prefix(prefix)``: the keys of rounds nobody needs any more, and of a finished job.
+
+``add(key, delta)`` (an atomic counter) is the stores' own primitive for heartbeat counters and
+for emulating a register; the protocol does not count with it.
+
+Registers, per store: etcd creates ``<prefix><name>`` in one transaction ("only if absent") and
+orders entries by etcd's create revision. A store without revisions emulates it, as here by
+default, with a counter and two write-once keys per entry: ``<prefix>n`` (``add``) draws the
+position, ``<prefix>at/<position>`` holds the value and ``<prefix>id/<name>`` the position (read
+first, so registering again returns the same position). Its client calls are never retried
+(TCPStore, in-process), so the emulation's read-then-add cannot apply twice.
 
 `MemoryStore` implements the contract in one process (tests, the fake-clock protocol tests, and
 single-node jobs, which need no network store at all). ``c10d.TCPStoreBackend`` implements it on
@@ -23,6 +37,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from meshrun.rendezvous.api import RendezvousError
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def add(self, key: str, delta: int) -> int:
-        """Atomically add ``delta`` to the counter ``key`` (created at 0); return the new value."""
+        """Atomically add ``delta`` to the counter ``key`` (created at 0); return the new value.
+
+        Applied once per call, also when a request is retried after a lost reply."""
 
     @abc.abstractmethod
     def wait_for_change(self, key: str, version: int, timeout: float) -> Versioned | None:
@@ -95,12 +113,54 @@ class Store(abc.ABC):
         assert current is not None
         return current
 
+    # -- registers (see the module docstring) --------------------------------------------------
+    def register(self, prefix: str, name: str, value: bytes) -> int:
+        """Create the entry ``name`` of the register ``prefix`` unless it exists; return its
+        position (1 = created first) among the entries, in creation order.
+
+        Idempotent: registering ``name`` again creates nothing and returns the same position.
+        ``prefix`` ends with "/"; ``name`` contains no "/". Positions are dense (1..count)
+        while no entry is deleted.
+        """
+        known = self.get(f"{prefix}id/{name}")
+        if known is not None:
+            return int(known.value)
+        position = self.add(prefix + "n", 1)
+        self.set_once(f"{prefix}at/{position}", value)
+        self.set_once(f"{prefix}id/{name}", str(position).encode())
+        return position
+
+    def count(self, prefix: str) -> int:
+        """The number of entries of the register ``prefix`` (0 when it has none)."""
+        return self.add(prefix + "n", 0)
+
+    def entries(self, prefix: str, limit: int, timeout: float) -> list[bytes]:
+        """The values of the first ``limit`` entries of ``prefix``, in creation order.
+
+        Raises:
+            RendezvousError: fewer than ``limit`` entries within ``timeout`` seconds (an entry
+                was counted but its writer died before writing it).
+        """
+        keys = [f"{prefix}at/{position}" for position in range(1, limit + 1)]
+        items = self.get_many(keys)
+        for i, item in enumerate(items):
+            if item is None:  # counted, not yet written
+                item = self.wait_for_change(keys[i], 0, timeout)
+            if item is None:
+                raise RendezvousError(
+                    f"entry #{i + 1} of {prefix} was counted but never written within "
+                    f"{timeout:g} s (its writer died?)"
+                )
+            items[i] = item
+        return [item.value for item in items]
+
     @abc.abstractmethod
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         """A `Liveness` for ``node_id``; may open its own connection (it beats from a thread)."""
 
-    def delete_prefix(self, prefix: str) -> None:  # noqa: B027 - optional for stores that die with the job
-        """Delete every key under ``prefix`` (etcd: nothing may be left after a job)."""
+    def delete_prefix(self, prefix: str) -> None:  # noqa: B027 - optional where keys cannot be listed
+        """Delete every key under ``prefix`` (old rounds; etcd: nothing may be left after a
+        job). A store that cannot list its keys may keep them (they die with it)."""
 
     def close(self) -> None:  # noqa: B027
         """Release connections (a hosted store also stops serving)."""
@@ -246,6 +306,22 @@ class CountingStore(Store):
     def wait_for_change(self, key, version, timeout):
         self.ops += 1
         return self.inner.wait_for_change(key, version, timeout)
+
+    def register(self, prefix, name, value):
+        self.ops += 1
+        return self.inner.register(prefix, name, value)
+
+    def count(self, prefix):
+        self.ops += 1
+        return self.inner.count(prefix)
+
+    def entries(self, prefix, limit, timeout):
+        self.ops += 1
+        return self.inner.entries(prefix, limit, timeout)
+
+    @property
+    def serves_others(self):
+        return self.inner.serves_others
 
     def liveness(self, node_id, dead_after):
         return _CountingLiveness(self, self.inner.liveness(node_id, dead_after))

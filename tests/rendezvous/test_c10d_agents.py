@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from meshrun.rendezvous.c10d import TCPStoreBackend
 from support import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,6 +107,14 @@ class Job:
                 return records
             time.sleep(0.1)
         raise AssertionError(f"records never matched: {self.read_records()}\n{self.logs()}")
+
+    def wait_joined(self, proc: subprocess.Popen, round_: int, joined, timeout: float = 60):
+        """Until ``joined(round_)`` (the count of the round's joiners) is at least 1: ``proc``
+        has joined (a liveness bound, not a timing)."""
+        deadline = time.monotonic() + timeout
+        while joined(round_) < 1:
+            assert time.monotonic() < deadline and proc.poll() is None, self.logs()
+            time.sleep(0.1)
 
     def finish(self, timeout: float = 60) -> list[int]:
         self.stop_file.touch()
@@ -234,10 +244,11 @@ def test_spare_node_beyond_max_exits_0_when_job_finishes(job_factory):
     job.node()
     before = last_round(job.wait_records(full_round(2)))
     spare = job.node()
-    time.sleep(2)  # the spare waits; the full round is not restarted for it
+    client = TCPStoreBackend("127.0.0.1", job.port, is_host=False, timeout=10)
+    job.wait_joined(spare, before + 1, lambda r: client.count(f"/meshrun/test/r{r}/node/"))
+    time.sleep(1)  # the full round is not restarted for it
     assert last_round(job.read_records()) == before
     assert job.finish() == [0, 0, 0], job.logs()
-    assert "spare" in (job.tmp / f"{spare.name}.err").read_text()
 
 
 def test_join_timeout_exits_3(job_factory):

@@ -51,7 +51,13 @@ def wait_keys_gone(cluster: EtcdCluster, timeout: float, member: int = 0, **kw) 
 
 
 def first_joined_pid(cluster: EtcdCluster) -> int:
-    body = {"key": _b64(f"{PREFIX}r0/slot/1")}
+    """The pid of round 0's first joiner (its register entry created first)."""
+    prefix = f"{PREFIX}r0/node/"
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    body = {
+        "key": _b64(prefix), "range_end": _b64(end), "limit": 1,
+        "sort_order": "ASCEND", "sort_target": "CREATE",
+    }  # fmt: skip
     kv = cluster.post("kv/range", body)["kvs"][0]
     import base64
 
@@ -118,10 +124,13 @@ def test_spare_exits_0_when_job_finishes(etcd_server, etcd_job):
     job.node()
     before = last_round(job.wait_records(full_round(2)))
     spare = job.node()
-    time.sleep(2)  # the spare waits; the full round is not restarted for it
+    job.wait_joined(
+        spare, before + 1,
+        lambda r: sum(k.startswith(f"{PREFIX}r{r}/node/") for k in etcd_server.keys(PREFIX)),
+    )  # fmt: skip
+    time.sleep(1)  # the full round is not restarted for it
     assert last_round(job.read_records()) == before
     assert job.finish() == [0, 0, 0], job.logs()
-    assert "spare" in (job.tmp / f"{spare.name}.err").read_text()
     assert etcd_server.keys(PREFIX) == []
 
 
@@ -131,7 +140,7 @@ def test_waiting_costs_no_polling_and_kill9_leaves_nothing(etcd_server, etcd_job
     job = etcd_job(etcd_server, "2", conf="join_timeout=60,read_timeout=3")
     lonely = job.node()
     deadline = time.monotonic() + 30
-    while PREFIX + "r0/slot/1" not in etcd_server.keys(PREFIX):
+    while not any(k.startswith(PREFIX + "r0/node/") for k in etcd_server.keys(PREFIX)):
         assert time.monotonic() < deadline and lonely.poll() is None, job.logs()
         time.sleep(0.2)
     time.sleep(0.5)
@@ -147,6 +156,22 @@ def test_waiting_costs_no_polling_and_kill9_leaves_nothing(etcd_server, etcd_job
     lonely.wait(10)
     assert etcd_server.keys(PREFIX)  # still there: the lease has not expired yet
     assert wait_keys_gone(etcd_server, timeout=15) < 12  # job lease TTL: 5 s
+
+
+def test_job_marked_finished_while_workers_run_exits_0_on_every_node(etcd_server, etcd_job):
+    """The job's state says succeeded while this round's workers still run (the others
+    finished without these nodes, or a phantom ``done`` ended it): the agents stop their
+    workers and exit 0. Before: `JobFinished` escaped the agent loop (a traceback, exit 1)."""
+    job = etcd_job(etcd_server, "2")
+    job.node()
+    job.node()
+    job.wait_records(in_round(0, 2))
+    state = {"round": 0, "restarts": 0, "status": "succeeded", "reason": "finished elsewhere"}
+    etcd_server.post("kv/put", {"key": _b64(PREFIX + "state"), "value": _b64(json.dumps(state))})
+    codes = [p.wait(60) for p in job.nodes]
+    assert codes == [0, 0], job.logs()
+    assert "Traceback" not in job.logs(), job.logs()
+    assert wait_keys_gone(etcd_server, timeout=15) < 12
 
 
 def test_tls_with_a_throwaway_ca_and_a_wrong_ca(tmp_path, etcd_job):

@@ -8,6 +8,7 @@ same round.
 import random
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -189,6 +190,28 @@ def test_spare_waits_then_exits_when_the_job_succeeds():
         n.close()
 
 
+def test_a_job_finished_elsewhere_is_a_reason_to_leave_never_an_exception():
+    """A member still running when the job was marked succeeded (it was stopped, its round was
+    moved on without it, and the others finished): every call of the running round says so as
+    a reason; only `next_round` raises `JobFinished` (which the agent catches: exit 0)."""
+    store, s = MemoryStore(), settings(2, 2)
+    a, b = make_node(store, s, "a"), make_node(store, s, "b")
+    run_all([a.next_round, b.next_round])
+    state, version = a.read_state()
+    finished = replace(state, status="succeeded", reason="job finished")
+    assert store.compare_and_set("/meshrun/job/state", version, finished.to_json())[0]
+    reason = b.poll()
+    assert reason is not None and "finished" in reason
+    reason = b.request_restart("worker failure on b", failure=True)
+    assert "finished" in reason
+    assert b.read_state()[0] == finished  # nothing spent, nothing changed
+    assert b.exit_barrier(0.05) is None
+    with pytest.raises(JobFinished):
+        b.next_round()
+    for n in (a, b):
+        n.close()
+
+
 def _catch(fn):
     try:
         return fn()
@@ -265,10 +288,11 @@ def test_store_operations_per_node_do_not_grow_with_n():
     assert large <= small + 6, (small, large)
 
 
-def _join_and_die(store, name, round_=0):
-    """A node that draws a number and writes its slot, then dies (never beats, never closes)."""
-    seq = store.add(f"/meshrun/job/r{round_}/joined", 1)
-    store.set_once(f"/meshrun/job/r{round_}/slot/{seq}", NodeDesc(name, "127.0.0.1", 1).to_json())
+def _join_and_die(store, name, round_=0, min_nodes=2):
+    """A node that joins (as `next_round` does), then dies (never beats, never closes)."""
+    me = NodeDesc(name, "127.0.0.1", 1).to_json()
+    if store.register(f"/meshrun/job/r{round_}/node/", name, me) == min_nodes:
+        store.set_once(f"/meshrun/job/r{round_}/quorum", b"1")
 
 
 def test_others_close_the_round_when_the_designated_closer_died():
@@ -280,9 +304,9 @@ def test_others_close_the_round_when_the_designated_closer_died():
     t = threading.Thread(target=lambda: result.append(a.next_round()), daemon=True)
     start = time.monotonic()
     t.start()
-    while store.add("/meshrun/job/r0/joined", 0) < 1:
+    while store.count("/meshrun/job/r0/node/") < 1:
         time.sleep(0.01)
-    _join_and_die(store, "b")  # draws number 2 = MAX: the designated closer
+    _join_and_die(store, "b")  # joins second = MAX: the designated closer
     t.join(10)
     assert [d.node_id for d in result[0].nodes] == ["a", "b"]
     assert s.dead_after <= time.monotonic() - start < s.dead_after + 5
@@ -293,7 +317,7 @@ def test_a_dead_node_rank_0_after_the_close_starts_a_new_round():
     """Node rank 0 died between the close and publishing the workers' store: the others see it
     lost and meet again without it, instead of failing the rendezvous."""
     store, s = MemoryStore(), settings(1, 2)
-    _join_and_die(store, "dead")  # draws number 1: node rank 0
+    _join_and_die(store, "dead", min_nodes=1)  # joins first: node rank 0
     a = make_node(store, s, "a")
     info = a.next_round()
     assert info.round == 1 and [d.node_id for d in info.nodes] == ["a"]

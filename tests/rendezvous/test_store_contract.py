@@ -107,3 +107,45 @@ def test_liveness_sees_a_silent_node_die(store_pair):
         assert b.is_alive("a")
     time.sleep(0.6)  # a stops beating
     assert not b.is_alive("a")
+
+
+def test_register_orders_entries_and_counts_a_name_once(store_pair):
+    store, connect = store_pair
+    other = connect()
+    assert store.count("/j/") == 0
+    assert store.register("/j/", "a", b"A") == 1
+    assert other.register("/j/", "b", b"B") == 2
+    assert store.register("/j/", "a", b"again") == 1  # a retry: nothing new
+    assert other.register("/j/", "c", b"C") == 3
+    assert store.count("/j/") == other.count("/j/") == 3
+    assert store.entries("/j/", 2, timeout=1) == [b"A", b"B"]
+    assert other.entries("/j/", 3, timeout=1) == [b"A", b"B", b"C"]
+    assert store.count("/other/") == 0
+
+
+def test_register_race_gives_dense_distinct_positions(store_pair):
+    store, connect = store_pair
+    clients = [connect() for _ in range(4)]
+    positions = {}
+
+    def join(client, name):
+        for k in range(3):
+            positions[f"{name}-{k}"] = client.register("/race/", f"{name}-{k}", name.encode())
+
+    threads = [threading.Thread(target=join, args=(c, f"n{i}")) for i, c in enumerate(clients)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(positions.values()) == list(range(1, 13))
+    assert store.count("/race/") == 12
+    names = [name for name, _ in sorted(positions.items(), key=lambda kv: kv[1])]
+    assert store.entries("/race/", 12, timeout=1) == [n.split("-")[0].encode() for n in names]
+
+
+def test_delete_prefix_deletes_only_under_the_prefix(store_pair):
+    store, _ = store_pair
+    store.set_once("/d/r1/x", b"1")
+    store.register("/d/r1/node/", "a", b"A")
+    store.set_once("/d/r10/x", b"1")
+    store.delete_prefix("/d/r1/")
+    assert store.get("/d/r1/x") is None and store.count("/d/r1/node/") == 0
+    assert store.get("/d/r10/x").value == b"1"
