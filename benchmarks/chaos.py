@@ -16,7 +16,13 @@ so some land within one second of each other):
 - ``kill-agent``: SIGKILL a node's agent, which comes back 2-8 s later (a node reboots);
 - ``term-agent``: SIGTERM a node's agent (a scheduler takes the node), back 2-8 s later;
 - ``kill-etcd``: SIGKILL an etcd member (never two at once), restarted 2-6 s later;
-- ``disk-full``: fill node 2's log tmpfs.
+- ``disk-full``: fill node 2's log tmpfs;
+- ``cut-link``: cut a node's link to the others and to etcd for 2-12 s (its veth goes down),
+  then restore it; a node whose agent gave up comes back as a new agent.
+
+Where the machine allows (root, iproute2), each node is a network namespace of its own on a
+bridge in the root namespace (10.214.N.10-12, etcd on the bridge's 10.214.N.1, gloo told its
+interface): a cut is a real partition. Elsewhere the nodes share 127.0.0.1 and no link is cut.
 
 A node comes back only while the job runs (no scheduler restarts a node of a finished job).
 When the job has ended, the run's invariants are checked:
@@ -29,8 +35,7 @@ When the job has ended, the run's invariants are checked:
 
 Output: one line per run (seed, faults injected by kind, invariants broken), then a total of
 faults injected and survived (a fault is survived when its run broke no invariant). Replay a
-run with ``--seed <its seed> --faults <its count> --per-run <its count>``. Faults that need
-namespaces (a cut link between hosts) are not injected here: the nodes share one host.
+run with ``--seed <its seed> --faults <its count> --per-run <its count>``.
 """
 
 from __future__ import annotations
@@ -56,11 +61,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests"), str(REPO / "tests" / "rendezvous")]
 from _common import print_end, print_start  # noqa: E402
-from etcd_fixtures import EtcdCluster  # noqa: E402 - the tests' real etcd cluster
+from etcd_fixtures import EtcdCluster, EtcdMember  # noqa: E402 - the tests' real etcd
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 TAG_ENV = "MESHRUN_CHAOS_TAG"
-KINDS = ["kill-worker", "stop-worker", "kill-agent", "term-agent", "kill-etcd", "disk-full"]
+KINDS = ["kill-worker", "stop-worker", "kill-agent", "term-agent", "kill-etcd", "disk-full",
+         "cut-link"]
 LOSS_TOL = 2e-3  # world sizes 1, 2, 3 add the gradient shares in different orders
 HANG_TIMEOUT = 6
 STEP_RE = re.compile(r"step (\d+) \| loss ([0-9.]+)")
@@ -79,6 +85,7 @@ class Node:
 
     index: int
     log_dir: Path
+    host: Host | None = None  # its namespace, or None: the nodes share 127.0.0.1
     outputs: list[Path] = field(default_factory=list)
     agents: list[subprocess.Popen] = field(default_factory=list)
     back_at: float | None = None  # when a stopped agent is to come back (monotonic s)
@@ -104,6 +111,79 @@ class Node:
 
 
 @dataclass
+class Host:
+    """A node's network namespace: ``ns``, its end of the veth (``ifname``, ``addr``) and the
+    root namespace's end (``uplink``, on the bridge: down = the link cut)."""
+
+    ns: str
+    ifname: str
+    uplink: str
+    addr: str
+
+    def cmd(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+
+class Network:
+    """Three namespaces on one bridge (10.214.N.0/24, N from the pid): the nodes as hosts."""
+
+    def __init__(self):
+        tag = os.getpid() % 100000
+        self.subnet = f"10.214.{os.getpid() % 250}"
+        self.bridge = f"mrc{tag}b"
+        self.gateway = f"{self.subnet}.1"  # the bridge's address: etcd listens there
+        self.hosts = [Host(f"mrc{tag}n{i}", f"mrc{tag}g{i}", f"mrc{tag}h{i}",
+                           f"{self.subnet}.{10 + i}") for i in range(3)]
+
+    @staticmethod
+    def available() -> bool:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            return False
+        probe = f"mrcprobe{os.getpid()}"
+        ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        return ok
+
+    def create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for h in self.hosts:
+            _ip("netns", "add", h.ns)
+            _ip("link", "add", h.uplink, "type", "veth", "peer", "name", h.ifname, "netns", h.ns)
+            _ip("link", "set", h.uplink, "master", self.bridge, "up")
+            _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            _ip("-n", h.ns, "link", "set", h.ifname, "up")
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+
+    def set_link(self, host: Host, up: bool) -> None:
+        _ip("link", "set", host.uplink, "up" if up else "down")
+
+    def delete(self) -> None:
+        for h in self.hosts:
+            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+class _BridgeMember(EtcdMember):
+    """An etcd member listening on the bridge's address (reachable from every namespace)."""
+
+    host = "127.0.0.1"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+
+@dataclass
 class Run:
     """What one run did and what broke."""
 
@@ -123,12 +203,20 @@ class Job:
         self.run_id = self.tag
         self.ckpt = work / "ckpt"
         self.etcd = EtcdCluster(work / "etcd", size=3)
-        self.nodes = [Node(i, work / f"logs{i}") for i in range(3)]
+        self.net = Network() if Network.available() else None
+        if self.net is not None:  # etcd on the bridge, each node in its namespace
+            for m in self.etcd.members:
+                m.__class__, m.host = _BridgeMember, self.net.gateway
+        self.nodes = [Node(i, work / f"logs{i}", self.net.hosts[i] if self.net else None)
+                      for i in range(3)]
+        self.link_back: dict[int, float] = {}  # node index -> when its cut link comes back
         self.tmpfs: Path | None = None
         self.script_seed = script_seed
         self.etcd_back: dict[int, float] = {}
 
     def start(self) -> None:
+        if self.net is not None:
+            self.net.create()
         self.etcd.start()
         self.ckpt.mkdir()
         for node in self.nodes:
@@ -150,12 +238,18 @@ class Job:
                if not k.startswith(("PET_", "TORCHELASTIC_", "MASTER_", "RANK", "WORLD_SIZE"))}
         env.update({TAG_ENV: self.tag, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
         out = self.work / f"agent{node.index}.{len(node.agents)}.out"
-        cmd = [sys.executable, "-m", "meshrun", "--nnodes", "2:3", "--nproc-per-node", "1",
+        where = []
+        if node.host is not None:
+            env["GLOO_SOCKET_IFNAME"] = node.host.ifname
+            where = ["--local-addr", node.host.addr]
+        cmd = [sys.executable, "-m", "meshrun", "--nnodes", "2:3", "--nproc-per-node", "1", *where,
                "--rdzv-backend", "etcd", "--rdzv-endpoint", self.etcd.endpoints,
                "--rdzv-id", self.run_id, "--rdzv-conf", "join_timeout=300,last_call_timeout=1",
                "--max-restarts", "1000", "--hang-timeout", str(HANG_TIMEOUT),
                "--log-dir", str(node.log_dir), str(EXAMPLE),
                *script_args(self.steps, self.ckpt, self.script_seed)]
+        if node.host is not None:
+            cmd = node.host.cmd(cmd)  # ip netns exec execs: the pid is the agent's
         with open(out, "w") as f:
             node.agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                 env=env, cwd=REPO, start_new_session=True))
@@ -175,11 +269,18 @@ class Job:
 
     def all_exited(self) -> bool:
         return all(not n.running() and n.back_at is None for n in self.nodes) and \
-            not self.etcd_back
+            not self.etcd_back and not self.link_back
 
     def tick(self) -> None:
         """Bring back nodes and etcd members whose time has come (while the job runs)."""
         now = time.monotonic()
+        for i, at in list(self.link_back.items()):
+            if now >= at:
+                self.net.set_link(self.nodes[i].host, up=True)
+                del self.link_back[i]
+                node = self.nodes[i]
+                if not node.running() and node.back_at is None and not self.finished():
+                    node.back_at = now  # its agent gave up during the cut: it comes back
         for node in self.nodes:
             if node.back_at is not None and now >= node.back_at:
                 if self.finished():
@@ -208,6 +309,8 @@ class Job:
         self.etcd.stop()
         if self.tmpfs is not None:
             subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True)
+        if self.net is not None:
+            self.net.delete()
 
 
 def tagged(tag: str) -> list[psutil.Process]:
@@ -233,8 +336,16 @@ def inject(job: Job, kind: str, rng: random.Random) -> str | None:
         node, worker = rng.choice(candidates)
         worker.send_signal(signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP)
         return f"{kind} node {node.index} pid {worker.pid}"
+    away = {n.index for n in job.nodes if not n.running()} | set(job.link_back)
+    if kind == "cut-link":
+        if job.net is None or away or len(present) < 3:
+            return None
+        node = rng.choice(present)
+        job.net.set_link(node.host, up=False)
+        job.link_back[node.index] = time.monotonic() + rng.uniform(2, 12)
+        return f"cut-link node {node.index}"
     if kind in ("kill-agent", "term-agent"):
-        if len(present) < 3:  # one node away at a time: the job keeps its 2-node minimum
+        if len(present) < 3 or away:  # one node away at a time: the job keeps 2 nodes
             return None
         node = rng.choice(present)
         node.agent.send_signal(signal.SIGKILL if kind == "kill-agent" else signal.SIGTERM)
@@ -319,7 +430,7 @@ def check(job: Job, reference: dict[int, float], run: Run) -> None:
 
 def soak(seed: int, n_faults: int, steps: int, reference: dict[int, float], work: Path, *,
          verbose: bool = False, script_seed: int = 1337, deadline_s: float = 900,
-         stray: bool = False) -> Run:
+         stray: bool = False, kinds: list[str] = KINDS) -> Run:
     """One run: start the job, inject ``n_faults`` faults, wait for the end, check.
 
     ``script_seed`` and ``stray`` break a run on purpose (a job trained from another seed; a
@@ -338,7 +449,7 @@ def soak(seed: int, n_faults: int, steps: int, reference: dict[int, float], work
         if stray:
             subprocess.Popen(["sleep", "600"], env={**os.environ, TAG_ENV: job.tag},
                              start_new_session=True)
-        plan = [rng.choice(KINDS) for _ in range(n_faults)]
+        plan = [rng.choice(kinds) for _ in range(n_faults)]
         next_at = time.monotonic() + rng.uniform(1, 4)
         while plan and not job.finished():
             job.tick()
@@ -382,6 +493,7 @@ def main() -> int:
     p.add_argument("--per-run", type=int, default=5, help="faults per run")
     p.add_argument("--seed", type=int, default=1, help="the first run's seed (then +1, ...)")
     p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--kinds", default=",".join(KINDS), help="the fault kinds to draw from")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep every run's directory")
     args = p.parse_args()
@@ -394,7 +506,8 @@ def main() -> int:
         n = min(args.per_run, left)
         work = base / f"run{seed}"
         work.mkdir()
-        run = soak(seed, n, args.steps, reference, work, verbose=args.verbose)
+        run = soak(seed, n, args.steps, reference, work, verbose=args.verbose,
+                   kinds=args.kinds.split(","))
         injected = sum(run.injected.values())
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(run.injected.items()))
         verdict = "ok" if not run.broken else "BROKEN: " + "; ".join(run.broken)
