@@ -108,7 +108,7 @@ def build_config_and_notes(
         get("master_port", lambda s: v.parse_int(s, 0, 65535)) if given("master_port") else None
     )
     rdzv_endpoint = str(raw["rdzv_endpoint"].value).strip()
-    rdzv_id = str(raw["rdzv_id"].value)
+    rdzv_id = get("rdzv_id", v.parse_rdzv_id)
 
     slurm = None if rdzv_endpoint or flag("standalone") else _slurm(env)
     if slurm is not None and slurm.num_nodes > 1:
@@ -134,6 +134,12 @@ def build_config_and_notes(
             )
         rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
         master_port = None
+    if max_nodes > 1 and rdzv_backend in ("c10d", "etcd") and _port(rdzv_endpoint) == "0":
+        raise ConfigError(
+            f"{raw['rdzv_endpoint'].where}: port 0 for a job of up to {max_nodes} nodes; the "
+            "other nodes could not find an OS-chosen port: give the port they will use, e.g. "
+            "HOST:29400"
+        )
     if rdzv_backend == "static" and min_nodes != max_nodes:
         # torchrun's static rendezvous waits for MAX nodes; an elastic range there is a mistake
         raise ConfigError(
@@ -154,6 +160,17 @@ def build_config_and_notes(
     )
     hang_timeout = get("hang_timeout", v.parse_seconds) if given("hang_timeout") else None
     log_dir = str(raw["log_dir"].value) if given("log_dir") and raw["log_dir"].value else None
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ConfigError(
+            f"{raw['log_dir'].where}: names a file, not a directory; give a directory (it is "
+            "created if missing)"
+        )
+    local_ranks_filter = get("local_ranks_filter", v.parse_local_ranks_filter)
+    if local_ranks_filter is not None and min(local_ranks_filter) >= nproc_per_node:
+        raise ConfigError(
+            f"{raw['local_ranks_filter'].where}: names no local rank of this node (local ranks "
+            f"are 0..{nproc_per_node - 1}); give some of them, or leave the option out"
+        )
     prefix = raw["log_line_prefix_template"].value
 
     config = LaunchConfig(
@@ -174,13 +191,15 @@ def build_config_and_notes(
         master_port=master_port,
         local_addr=str(raw["local_addr"].value) if given("local_addr") else None,
         max_restarts=get("max_restarts", lambda s: v.parse_int(s, 0)),
-        monitor_interval=get("monitor_interval", v.parse_seconds),
+        monitor_interval=get(
+            "monitor_interval", lambda s: v.parse_seconds(s, minimum=v.MIN_MONITOR_INTERVAL)
+        ),
         shutdown_timeout=shutdown_timeout,
         signals_to_handle=get("signals_to_handle", v.parse_signals),
         log_dir=log_dir,
         redirects=get("redirects", v.parse_std_spec),
         tee=get("tee", v.parse_std_spec),
-        local_ranks_filter=get("local_ranks_filter", v.parse_local_ranks_filter),
+        local_ranks_filter=local_ranks_filter,
         duplicate_stdout_filters=get("duplicate_stdout_filters", v.parse_filters),
         duplicate_stderr_filters=get("duplicate_stderr_filters", v.parse_filters),
         log_line_prefix_template=str(prefix) if prefix else None,
@@ -200,6 +219,16 @@ def build_config_and_notes(
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+
+def _port(endpoint: str) -> str | None:
+    """The port text of ``HOST:PORT`` (``[v6]:PORT``), or None when there is none."""
+    if endpoint.startswith("["):
+        rest = endpoint.partition("]")[2]
+        return rest[1:] if rest.startswith(":") else None
+    if endpoint.count(":") == 1:
+        return endpoint.partition(":")[2].strip()
+    return None
 
 
 def _slurm(env: Mapping[str, str]) -> SlurmDefaults | None:

@@ -11,6 +11,8 @@ relative to the working directory, as on the command line. See ``configs/*.toml`
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -21,6 +23,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+MAX_CONFIG_BYTES = 1024 * 1024  # a job config is a few lines; /dev/zero is not one
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,16 @@ def load_config_file(path: str) -> dict[str, RawValue]:
     """
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"--config {path}: not a regular file; give the path of a "
+                                  "TOML file")
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"--config {path}: larger than {MAX_CONFIG_BYTES // 1024} KiB; "
+                              "a job config is a few lines of TOML: give that file")
+        data = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not UTF-8 text; give a TOML file") from None
     except OSError as e:
         raise ConfigError(
             f"--config {path}: cannot read it ({e.strerror or e}); give the path of a "

@@ -20,6 +20,12 @@ from collections.abc import Mapping
 from meshrun.launcher.config import Std, StdSpec
 from meshrun.launcher.errors import ValueProblem
 
+# Bounds no real job reaches, so a typo cannot start work that brings the machine down:
+MAX_NPROC_PER_NODE = 1024  # workers on one node (GPUs, or one per core on the biggest hosts)
+MAX_SECONDS = 1_000_000.0  # any duration: 11.6 days (timedelta and sleep limits are far above)
+MIN_MONITOR_INTERVAL = 0.001  # seconds: a smaller period is a busy loop
+RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
 # -- sizes ----------------------------------------------------------------------------------
 
 
@@ -66,8 +72,9 @@ def parse_nproc_per_node(value: str, env: Mapping[str, str]) -> int:
         n = int(text)
     except ValueError:
         raise ValueProblem("not a worker count", fix) from None
-    if n < 1:
-        raise ValueProblem(f"must be at least 1 (got {n})", fix)
+    if not 1 <= n <= MAX_NPROC_PER_NODE:
+        raise ValueProblem(f"out of range (got {n})",
+                           f"give an integer between 1 and {MAX_NPROC_PER_NODE}")
     return n
 
 
@@ -136,17 +143,34 @@ def parse_bytes(value: str) -> int:
     return n
 
 
-def parse_seconds(value: str, allow_zero: bool = False) -> float:
-    """A duration in seconds: a float > 0 (>= 0 with ``allow_zero``); raises `ValueProblem`."""
-    bound = ">= 0" if allow_zero else "> 0"
+def parse_seconds(value: str, allow_zero: bool = False, minimum: float = 0.0) -> float:
+    """A duration in seconds: a float > 0 (>= 0 with ``allow_zero``; >= ``minimum`` if given)
+    and at most `MAX_SECONDS`; raises `ValueProblem` otherwise."""
+    if minimum > 0:
+        bound = f"between {minimum:g} and {MAX_SECONDS:g}"
+    else:
+        bound = f"{'>= 0' if allow_zero else '> 0'} and at most {MAX_SECONDS:g}"
     fix = f"give a number of seconds {bound}"
     try:
         x = float(str(value).strip())
     except ValueError:
         raise ValueProblem("not a number", fix) from None
-    if not (x >= 0 if allow_zero else x > 0) or x != x or x == float("inf"):
+    low_ok = x >= minimum if minimum > 0 else (x >= 0 if allow_zero else x > 0)
+    if not low_ok or x != x or x > MAX_SECONDS:
         raise ValueProblem(f"out of range (got {x:g})", fix)
     return x
+
+
+def parse_rdzv_id(value: str) -> str:
+    """A job id: 1-128 of ``A-Z a-z 0-9 . _ -``, not ``.`` or ``..`` (it names directories
+    under ``--log-dir`` and keys in the store); raises `ValueProblem` otherwise."""
+    text = str(value)
+    if not RUN_ID.fullmatch(text) or text in (".", ".."):
+        raise ValueProblem(
+            "not a valid job id (it names log directories and store keys)",
+            "use 1-128 letters, digits, '.', '_' or '-', e.g. job-42 (no '/', no '..')",
+        )
+    return text
 
 
 def parse_choice(value: str, choices: tuple[str, ...]) -> str:
@@ -298,6 +322,9 @@ def parse_filters(value: str) -> tuple[str, ...]:
 
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+# signals whose default action is to be ignored (or to continue): not requests to stop; a
+# handler for SIGCHLD would also fire each time a worker exits
+_NOT_STOP_REQUESTS = {"SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH"}
 
 
 def parse_signals(value: str) -> tuple[int, ...]:
@@ -321,6 +348,9 @@ def parse_signals(value: str) -> tuple[int, ...]:
             )
         if name in _UNCATCHABLE:
             raise ValueProblem(f"{name} cannot be handled", "leave it out")
+        if name in _NOT_STOP_REQUESTS:
+            raise ValueProblem(f"{name} is not a request to stop (by default it is ignored)",
+                               "leave it out; give e.g. SIGTERM,SIGINT,SIGHUP,SIGQUIT")
         if int(sig) not in numbers:
             numbers.append(int(sig))
     return tuple(numbers)

@@ -49,6 +49,23 @@ BAD_INPUTS = {
                                 "--rdzv-endpoint", "[::1:29400", "train.py"],
     "etcd cert without key": ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint",
                               "127.0.0.1:2379", "--rdzv-conf", "cert=c.pem", "train.py"],
+    # bad input that used to start work (issue 17)
+    "rdzv-id with a slash": ["--rdzv-id", "a/b", "train.py"],
+    "rdzv-id climbing out of the log dir": ["--rdzv-id", "..", "--standalone", "train.py"],
+    "rdzv-id too long": ["--rdzv-id", "x" * 200, "train.py"],
+    "log-dir naming a file": ["--log-dir", "train.py", "train.py"],
+    "SIGCHLD as a stop signal": ["--signals-to-handle", "SIGTERM,SIGCHLD", "train.py"],
+    "nproc that brings the machine down": ["--nproc-per-node", "100000", "train.py"],
+    "multi-node c10d on port 0": ["--rdzv-backend", "c10d", "--nnodes", "1:2",
+                                  "--rdzv-endpoint", "127.0.0.1:0", "train.py"],
+    "multi-node etcd on port 0": ["--rdzv-backend", "etcd", "--nnodes", "2",
+                                  "--rdzv-endpoint", "127.0.0.1:0", "train.py"],
+    "shutdown-timeout overflow": ["--shutdown-timeout", "1e10", "train.py"],
+    "monitor-interval busy loop": ["--monitor-interval", "1e-9", "train.py"],
+    "config from /dev/zero": ["--config", "/dev/zero", "train.py"],
+    "config of 2 MiB": ["--config", "huge.toml", "train.py"],
+    "local-ranks-filter naming no rank": ["--nproc-per-node", "2", "--local-ranks-filter", "5",
+                                          "train.py"],
 }
 
 
@@ -57,6 +74,7 @@ def cwd(tmp_path: Path) -> Path:
     (tmp_path / "train.py").write_text("raise SystemExit('must not run')\n")
     (tmp_path / "broken.toml").write_text("nnodes = [\n")
     (tmp_path / "unknown_key.toml").write_text("nproc_per_nodes = 2\n")
+    (tmp_path / "huge.toml").write_text("# padding\n" * 200_000 + "nnodes = 1\n")
     return tmp_path
 
 
