@@ -5,17 +5,22 @@ One `Agent` runs on every node (DESIGN.md §2). Its run loop:
 1. ``rendezvous.next_round()`` -> this node's rank and the round's membership;
 2. start the local `WorkerGroup` with the torchrun environment contract (§3.1);
 3. every ``monitor_interval``: the group's outcome, and the rendezvous' news;
-   - all workers exited 0 -> exit barrier -> exit 0;
+   - all workers exited 0 -> exit barrier -> exit 0 (this node's success is recorded in the
+     store first: if it is lost while it waits, the others finish without re-running it);
    - a worker failed -> publish the failure, spend one restart of the job's budget (or end
      the job), stop the group, go to 1; but when the failure reads like a peer's connection
      closing (a node vanished under a collective) in a multi-node round, first wait for the
      rendezvous to confirm a membership change, which spends nothing;
    - the membership changed (a node waits to join, a node was lost) -> stop, go to 1, free;
    - a handled signal -> forwarded to the workers at once; one grace period; exit 128+N.
+     Signals win over failures: one that arrives at any moment (while waiting to tell a lost
+     node from a failure, while stopping, during rendezvous or the exit barrier) ends the
+     agent with 128+N and never spends a restart.
 4. on final failure, the job-wide root-cause report, and the root-cause worker's exit code.
 
 Every way down stops the group the same way: SIGTERM, ``--shutdown-timeout`` seconds of grace,
-then SIGKILL to whole process trees. The agent never imports torch itself, except on a thread
+then SIGKILL to whole process trees; the agent is a child subreaper, so a worker's
+double-forked daemons are part of its tree. The agent never imports torch itself, except on a thread
 for the workers' bootstrap store (see `meshrun.agent.bootstrap`) and for multi-node stores.
 """
 
@@ -332,8 +337,10 @@ class Agent:
         on every survivor's first failure. A failure elsewhere moves the round on at once, so
         the whole bound is waited only for a connection failure nobody else explains."""
         bound = 2 * self.settings.dead_after + self.settings.keep_alive_interval
-        say(f"worker failure: {what} (a peer's connection closed); waiting up to {bound:g} s "
-            f"for the rendezvous to tell a lost node from a failure")
+        say(
+            f"worker failure: {what} (a peer's connection closed); waiting up to {bound:g} s "
+            f"for the rendezvous to tell a lost node from a failure"
+        )
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             self._raise_if_signalled()
@@ -381,8 +388,7 @@ class Agent:
         self._failed_round = True
         rdzv.publish_failures([self._record(f) for f in failures])
         return rdzv.request_restart(
-            f"hang on {self.host}: rank {first.global_rank} made no progress for "
-            f"{timeout:g} s",
+            f"hang on {self.host}: rank {first.global_rank} made no progress for {timeout:g} s",
             failure=True,
         )
 
@@ -404,8 +410,10 @@ class Agent:
             records = self._interruptible(rdzv.collect_failures, round)
             rdzv.leave()
         except _Stopped as e:
-            say(f"received {signal.Signals(e.signum).name} while the job's failure was being "
-                "reported; exiting")
+            say(
+                f"received {signal.Signals(e.signum).name} while the job's failure was being "
+                "reported; exiting"
+            )
             return 128 + e.signum
         except RendezvousError:  # the store is gone: report what this node saw
             records = [self._record(f) for f in local]
@@ -548,8 +556,11 @@ class Agent:
 
 # How a worker's failure reads when a peer process vanished under it: gloo and NCCL report the
 # closed connection; the failure is then a consequence of a membership change, not its cause.
-_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|ECONNRESET|"
-                        r"remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+_PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|ECONNRESET|"
+    r"remote process exited|NCCL communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 def _peer_lost(failure: WorkerFailure) -> bool:

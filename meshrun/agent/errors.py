@@ -120,7 +120,9 @@ class WorkerFailure:
             return self
         message = cut_middle(self.message, max(max_bytes // 4, max_bytes - traceback_b))
         rest = max_bytes - len(message.encode("utf-8", "replace"))
-        return dataclasses.replace(self, message=message, traceback=cut_middle(self.traceback, rest))
+        return dataclasses.replace(
+            self, message=message, traceback=cut_middle(self.traceback, rest)
+        )
 
     def to_json(self) -> str:
         """Serialize to a JSON object (a str), for the rendezvous store."""

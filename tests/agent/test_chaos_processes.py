@@ -8,8 +8,6 @@ exited (when that pid is free).
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
