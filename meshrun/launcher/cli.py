@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import click
 
 from meshrun.launcher.build import build_config
-from meshrun.launcher.errors import EXIT_USAGE, ConfigError
+from meshrun.launcher.errors import EXIT_USAGE, ConfigError, redact_secrets
 from meshrun.launcher.stdio import survive_closed_console
 from meshrun.launcher.subcommands import SUBCOMMANDS
 
@@ -98,5 +98,5 @@ def run_subcommand(name: str, args: list[str]) -> int:
 
 def fail(message: str) -> None:
     """Print ``meshrun: error: <message>`` as one line on stderr and exit with code 2."""
-    click.echo(f"meshrun: error: {' '.join(message.split())}", err=True)
+    click.echo(f"meshrun: error: {redact_secrets(' '.join(message.split()))}", err=True)
     sys.exit(EXIT_USAGE)

@@ -10,18 +10,34 @@ anything is started.
 
 from __future__ import annotations
 
+import re
+
 EXIT_USAGE = 2  # DESIGN.md §3.4: usage or config error, nothing was started
+
+# ``password=VALUE`` (quoted or not), or ``'password': 'VALUE'`` as a dict is shown (quoted);
+# also secret, token
+_SECRET = re.compile(
+    r"""(?i)\b(password|passwd|secret|token)"""
+    r"""(?:(['"]?\s*=\s*)("[^"]*"|'[^']*'|[^,\s;}]*)|(['"]\s*:\s*)("[^"]*"|'[^']*'))"""
+)
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with every ``password=VALUE`` (``secret``, ``token``; ``=`` or ``:``, quoted
+    or not) shown as ``password=***``: error lines quote the user's input, and a password in
+    an ``--rdzv-conf`` value must not reach a terminal, a log or a CI transcript."""
+    return _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2) or m.group(4)}***", text)
 
 
 class ConfigError(ValueError):
     """Bad user input: an unknown option, a bad value, a missing script, a bad config file.
 
     ``str(error)`` is one line (newlines are folded), naming where the value came from, the
-    value, the problem, and the fix.
+    value (secrets shown as ``***``: `redact_secrets`), the problem, and the fix.
     """
 
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split("\n")).strip())
+        super().__init__(redact_secrets(" ".join(message.split("\n")).strip()))
 
 
 class ValueProblem(ValueError):

@@ -164,3 +164,26 @@ def test_subcommand_dispatch_and_existing_file_wins(workdir, monkeypatch, capsys
     with pytest.raises(SystemExit) as info:
         cli.main(["probe", "--job", "j"])
     assert info.value.code == 7
+
+
+SECRET = "hunter2-do-not-print"
+
+
+@pytest.mark.parametrize("source", ["flag", "PET_RDZV_CONF", "config file"])
+def test_a_password_never_reaches_an_error_line(cwd: Path, source: str, run_meshrun):
+    """A bad --rdzv-conf beside a password: the error quotes the value, with the password
+    shown as *** (flag, PET_* variable and TOML table alike)."""
+    conf = f"user=u,password={SECRET},join_timeout=soon"
+    base = ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:2379"]
+    env = {}
+    if source == "flag":
+        args = [*base, "--rdzv-conf", conf, "train.py"]
+    elif source == "PET_RDZV_CONF":
+        args, env = [*base, "train.py"], {"PET_RDZV_CONF": conf}
+    else:
+        (cwd / "job.toml").write_text(
+            f'[rdzv_conf]\nuser = "u"\npassword = "{SECRET}"\njoin_timeout = "soon"\n')
+        args = [*base, "--config", "job.toml", "train.py"]
+    proc = run_meshrun(args, cwd, **env)
+    assert proc.returncode == 2 and "join_timeout=soon" in proc.stderr, proc.stderr
+    assert SECRET not in proc.stderr + proc.stdout and "***" in proc.stderr, proc.stderr
