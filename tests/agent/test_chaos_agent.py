@@ -234,6 +234,27 @@ def test_node_lost_after_its_workers_succeeded_does_not_restart_the_others(job_f
     assert job.records_() == before, job.logs()
 
 
+@pytest.mark.timeout(90)
+def test_sigterm_in_the_exit_barrier_exits_143_and_the_others_finish(job_factory):
+    """Node 1's worker succeeded and node 1 waits in the exit barrier for node 0: a SIGTERM
+    there ends node 1 with 143 at once. Its part of the job was done, so node 0 goes on
+    without a new round and exits 0 when its worker succeeds."""
+    job = job_factory("1:2")
+    host, other = _start_pair(job, env0={"CHAOS_MODE": "wait"}, env1={"CHAOS_DONE_RANKS": "1"})
+    rank1 = next(r for r in job.records_() if r["rank"] == 1)
+    job.wait_until(lambda: not alive(rank1["pid"]), 30, "rank 1 to exit 0")
+    time.sleep(1.0)  # node 1's agent is in the exit barrier (monitor interval 0.1 s)
+    before = job.records_()
+    t0 = time.monotonic()
+    os.kill(other.pid, signal.SIGTERM)
+    assert other.wait(10) == 143, job.logs()
+    assert time.monotonic() - t0 < 5
+    time.sleep(4)  # > dead_after + one interval: node 0 has seen node 1 lost by now
+    job.stop_file.touch()
+    assert host.wait(30) == 0, job.logs()
+    assert job.records_() == before, job.logs()
+
+
 def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text())
