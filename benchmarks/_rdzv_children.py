@@ -142,10 +142,24 @@ def _counting_classes():
                 self.t_joined = time.time()
             return out
 
+        def _saw(self, key, item):
+            if item is not None and key.endswith("/closed") and not self.t_closed:
+                self.t_closed = time.time()
+
         def get(self, key):
             out = super().get(key)
-            if out is not None and key.endswith("/closed") and not self.t_closed:
-                self.t_closed = time.time()
+            self._saw(key, out)
+            return out
+
+        def get_many(self, keys):
+            out = super().get_many(keys)
+            for key, item in zip(keys, out, strict=True):
+                self._saw(key, item)
+            return out
+
+        def wait_for_change(self, key, version, timeout):
+            out = super().wait_for_change(key, version, timeout)
+            self._saw(key, out)
             return out
 
         def liveness(self, node_id, dead_after):

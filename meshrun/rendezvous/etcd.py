@@ -641,58 +641,8 @@ class EtcdStore(Store):
     def _watch(
         self, key: str, version: int, start: int, timeout: float
     ) -> tuple[bool, _Item | None, int]:
-        """Watch ``key`` from revision ``start`` for up to ``timeout`` s.
-
-        Returns ``(True, item, rev)`` when its version left ``version``; ``(False, None, rev)``
-        on timeout; ``(False, None, -1)`` when the stream broke (the caller re-reads).
-        """
         self._check_lease()
-        requests = self._gw._requests
-        from urllib3.exceptions import ReadTimeoutError
-        deadline = time.monotonic() + timeout
-        body = {"create_request": {"key": _b64(key), "start_revision": str(start)}}
-        try:
-            response = self._gw.stream("watch", body, timeout)
-        except requests.exceptions.Timeout:
-            return False, None, start - 1
-        except requests.exceptions.RequestException:
-            self._gw.fail_over()
-            return False, None, -1
-        buffer = b""
-        try:
-            if response.status_code != 200:
-                self._gw.fail_over()
-                return False, None, -1
-            for chunk in response.iter_content(chunk_size=None):
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    if not line.strip():
-                        continue
-                    result = json.loads(line).get("result", {})
-                    if result.get("canceled") or "error" in json.loads(line):
-                        return False, None, -1
-                    for event in result.get("events") or []:
-                        kv = event["kv"]
-                        if event.get("type") == "DELETE":
-                            if version != 0:
-                                return True, None, int(kv["mod_revision"])
-                        elif int(kv["mod_revision"]) != version:
-                            return True, _item(kv), int(kv["mod_revision"])
-                if time.monotonic() >= deadline:
-                    return False, None, start - 1
-            return False, None, -1  # the member closed the stream
-        except requests.exceptions.ConnectionError as e:
-            reason = e.args[0] if e.args else None
-            if isinstance(reason, ReadTimeoutError):  # no event within the timeout
-                return False, None, start - 1
-            self._gw.fail_over()
-            return False, None, -1
-        except requests.exceptions.RequestException:
-            self._gw.fail_over()
-            return False, None, -1
-        finally:
-            response.close()
+        return _watch_key(self._gw, key, version, start, timeout)
 
     @property
     def current_member(self) -> int:
@@ -733,43 +683,188 @@ class EtcdStore(Store):
 
 
 class EtcdLiveness(Liveness):
-    """A node's lease and its key ``<prefix>liveness/<node_id>``, on its own connection."""
+    """A node's lease and its key ``<prefix>liveness/<node_id>``, on its own connection.
+
+    The lease is refreshed at most every third of its TTL (as etcd's own clients keep leases
+    alive), so a dead node's key is gone between 2/3 TTL and TTL after its last refresh.
+    Another node is *watched*, not polled: the first `is_alive` reads its key, then a thread
+    (`_KeyWatch`) waits for the key's DELETE on a watch. A node stopped being asked about for a
+    TTL is no longer watched. N agents then cost etcd about N requests per TTL/3, not 2N per
+    ``keep_alive_interval``.
+    """
 
     def __init__(self, store: EtcdStore, node_id: str, dead_after: float):
         self._store = store
         self._gw = _Gateway(store.options)
         self._key = store.liveness_key(node_id)
         self._ttl = max(MIN_TTL, math.ceil(dead_after))
+        self._every = self._ttl / 3  # seconds between refreshes, and between reads of a node
         self._lease = 0
+        self._refreshed = -math.inf  # time.monotonic() of the last refresh
+        self._watches: dict[str, _KeyWatch] = {}
         self._closed = False
 
     def _attach(self) -> None:
-        self._lease = EtcdStore._grant(self._gw, self._ttl)
-        self._gw.call(
-            "kv/put", {"key": _b64(self._key), "value": _b64(b"1"), "lease": str(self._lease)}
+        for _ in range(3):  # a lease that expired before our put (an overloaded etcd): again
+            self._lease = EtcdStore._grant(self._gw, self._ttl)
+            body = {"key": _b64(self._key), "value": _b64(b"1"), "lease": str(self._lease)}
+            try:
+                self._gw.call("kv/put", body)
+                return
+            except _EtcdError as e:
+                if "lease not found" not in str(e):
+                    raise
+        raise StoreLostError(
+            f"rendezvous store lost: {self._store.options.describe()} let three {self._ttl} s "
+            "leases expire before a write bound to them (overloaded?)"
         )
 
     def beat(self) -> None:
         if self._closed:
             return
+        now = time.monotonic()
+        if self._lease and now - self._refreshed < self._every:
+            return
         if not self._lease or EtcdStore._keepalive(self._gw, self._lease) <= 0:
             self._attach()  # first beat, or our lease expired (we were seen as dead)
+        self._refreshed = now
 
     def is_alive(self, node_id: str) -> bool:
-        key = self._store.liveness_key(node_id)
-        result = self._gw.call("kv/range", {"key": _b64(key), "count_only": True})
-        return int(result.get("count", 0)) > 0
+        now = time.monotonic()
+        for other, watch in list(self._watches.items()):  # nodes nobody asks about any more
+            if other != node_id and now - watch.asked > self._ttl:
+                watch.close()
+                del self._watches[other]
+        watch = self._watches.get(node_id)
+        if watch is None:
+            watch = _KeyWatch(self._gw, self._store.options, self._store.liveness_key(node_id))
+            self._watches[node_id] = watch
+        watch.asked = now
+        if watch.error is not None:
+            raise watch.error
+        return watch.alive
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for watch in self._watches.values():
+            watch.close()
         if self._lease:
             try:
                 EtcdStore._revoke(self._gw, self._lease)
             except RendezvousError:
                 pass
         self._gw.close()
+
+
+class _KeyWatch:
+    """Whether ``key`` exists, kept up to date by a watch on its own thread and connection.
+
+    The key is read once (on ``gw``, the caller's connection) when the watch is made; after
+    that ``alive`` turns False when a watch sees the key deleted, or a re-read (after a broken
+    stream) finds it gone. A store that stops answering sets ``error`` (`StoreLostError`).
+    """
+
+    _WAIT = 5.0  # seconds per watch request (then another, from the same revision)
+
+    def __init__(self, gw: _Gateway, options: EtcdOptions, key: str):
+        self.key = key
+        self.asked = time.monotonic()
+        self.error: RendezvousError | None = None
+        self._options = options
+        self._stop = threading.Event()
+        self.alive, revision, version = self._read(gw)
+        if self.alive:
+            threading.Thread(
+                target=self._run, args=(revision + 1, version), name="meshrun-etcd-watch",
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def _read(self, gw: _Gateway) -> tuple[bool, int, int]:
+        """(exists, the read's revision, the key's mod_revision or 0)."""
+        result = gw.call("kv/range", {"key": _b64(self.key)})
+        kvs = result.get("kvs") or []
+        version = int(kvs[0]["mod_revision"]) if kvs else 0
+        return bool(kvs), int(result["header"]["revision"]), version
+
+    def _run(self, start: int, version: int) -> None:
+        gw = _Gateway(self._options)
+        try:
+            while not self._stop.is_set() and self.alive:
+                changed, item, revision = _watch_key(gw, self.key, version, start, self._WAIT)
+                if changed:
+                    if item is None:
+                        self.alive = False  # deleted: its lease expired, or it left
+                    else:
+                        version, start = item.version, revision + 1
+                elif revision < 0:  # the stream broke: read again (from the next member)
+                    self.alive, revision, version = self._read(gw)
+                    start = revision + 1
+        except RendezvousError as e:
+            self.error = e
+        finally:
+            gw.close()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _watch_key(
+    gw: _Gateway, key: str, version: int, start: int, timeout: float
+) -> tuple[bool, _Item | None, int]:
+    """Watch ``key`` from revision ``start`` for up to ``timeout`` s, on ``gw``.
+
+    Returns ``(True, item, rev)`` when its version left ``version`` (``item`` None: deleted);
+    ``(False, None, rev)`` on timeout; ``(False, None, -1)`` when the stream broke (the caller
+    re-reads).
+    """
+    requests = gw._requests
+    from urllib3.exceptions import ReadTimeoutError
+    deadline = time.monotonic() + timeout
+    body = {"create_request": {"key": _b64(key), "start_revision": str(start)}}
+    try:
+        response = gw.stream("watch", body, timeout)
+    except requests.exceptions.Timeout:
+        return False, None, start - 1
+    except requests.exceptions.RequestException:
+        gw.fail_over()
+        return False, None, -1
+    buffer = b""
+    try:
+        if response.status_code != 200:
+            gw.fail_over()
+            return False, None, -1
+        for chunk in response.iter_content(chunk_size=None):
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                result = json.loads(line).get("result", {})
+                if result.get("canceled") or "error" in json.loads(line):
+                    return False, None, -1
+                for event in result.get("events") or []:
+                    kv = event["kv"]
+                    if event.get("type") == "DELETE":
+                        if version != 0:
+                            return True, None, int(kv["mod_revision"])
+                    elif int(kv["mod_revision"]) != version:
+                        return True, _item(kv), int(kv["mod_revision"])
+            if time.monotonic() >= deadline:
+                return False, None, start - 1
+        return False, None, -1  # the member closed the stream
+    except requests.exceptions.ConnectionError as e:
+        reason = e.args[0] if e.args else None
+        if isinstance(reason, ReadTimeoutError):  # no event within the timeout
+            return False, None, start - 1
+        gw.fail_over()
+        return False, None, -1
+    except requests.exceptions.RequestException:
+        gw.fail_over()
+        return False, None, -1
+    finally:
+        response.close()
 
 
 def open_etcd_store(endpoint: str, settings, *, job_lease: bool = True) -> EtcdStore:

@@ -9,7 +9,8 @@ Keys, under ``/meshrun/<run_id>/``::
                             compare-and-set, so every node agrees on the round and on how many
                             restarts the job has spent (DESIGN.md §3.1)
     r<T>/node/              register: the NodeDescs of round T's joiners, in join order
-    r<T>/quorum             written once by the MIN-th joiner (the others wait for it)
+    r<T>/quorum             written once by the MIN-th joiner (the others wait for it); with
+                            MIN = MAX by the closer, once it closed the round
     r<T>/closed             written once: the members of round T, in node-rank order
     r<T>/master             "host:port" of the workers' bootstrap store (node rank 0 writes it)
     r<T>/done/, alldone     the exit barrier (a register of the members whose workers succeeded)
@@ -77,7 +78,7 @@ from meshrun.rendezvous.api import (
     RendezvousTimeoutError,
     StoreLostError,
 )
-from meshrun.rendezvous.store import Store
+from meshrun.rendezvous.store import Store, Versioned
 
 log = logging.getLogger("meshrun.rendezvous")
 
@@ -249,23 +250,34 @@ class Rendezvous:
         the round opening, `JobFinished` when the job ended with success while waiting.
         """
         self._heartbeat.start()
+        s = self.settings
         while True:
             self._heartbeat.check()
-            state, _ = self.read_state()
+            # one read for the state and the round we expect it to be in (the next one)
+            guess = self.info.round + 1 if self.info is not None else 0
+            (state, version), closed = self._read_round(guess)
             self._raise_if_ended(state)
             target = state.round
-            if self.store.get(self._round_key(target, "closed")) is not None:
+            if target != guess:
+                closed = self.store.get(self._round_key(target, "closed"))
+            if closed is not None:
                 target += 1  # that round is running without us: queue for the next one
+            known: tuple[JobState, int] | None = None
             if self._joined is None or self._joined[0] != target:
                 seq = self.store.register(self._nodes(target), self.me.node_id, self.me.to_json())
-                if seq == self.settings.min_nodes:
+                # the quorum key starts the others' last call; with MIN = MAX there is none,
+                # and the MAX-th joiner writes it once it closed the round (see _try_close)
+                if seq == s.min_nodes and s.min_nodes < s.max_nodes:
                     self.store.set_once(self._round_key(target, "quorum"), b"1")
                 self._joined = (target, seq)
-            members = self._wait_for_close(target)
+                if closed is None:
+                    known = (state, version)  # read just now: the first pass need not read
+            members = self._wait_for_close(target, known)
             if members is None:
                 continue  # the job moved past that round meanwhile
+            members, state = members
             if any(m.node_id == self.me.node_id for m in members):
-                info = self._complete(target, members)
+                info = self._complete(target, members, state)
                 if info is not None:
                     return info
                 continue
@@ -276,19 +288,38 @@ class Rendezvous:
                     target, len(members), self.settings.max_nodes,
                 )
 
-    def _wait_for_close(self, target: int) -> list[NodeDesc] | None:
-        """Wait until round ``target`` is closed (closing it ourselves when it is time); None
-        when the job moved past it without us (join the current round instead)."""
+    def _read_round(self, round: int) -> tuple[tuple[JobState, int], Versioned | None]:
+        """The job state with its version, and round ``round``'s ``closed`` key: one read."""
+        item, closed = self.store.get_many([self._key("state"), self._round_key(round, "closed")])
+        state = (JobState(), 0) if item is None else (JobState.from_json(item.value), item.version)
+        return state, closed
+
+    def _wait_for_close(
+        self, target: int, known: tuple[JobState, int] | None = None
+    ) -> tuple[list[NodeDesc], JobState] | None:
+        """Wait until round ``target`` is closed (closing it ourselves when it is time); returns
+        its members and the job state read with them, or None when the job moved past it
+        without us (join the current round instead). ``known``: the state this node read just
+        before joining, when ``closed`` was absent then (the first pass reads nothing)."""
         s = self.settings
         closed_key = self._round_key(target, "closed")
         deadline: float | None = None
         last_call_at: float | None = None
         step_in_at: float | None = None
+        state = known[0] if known is not None else JobState()
+
+        def members(item: Versioned) -> tuple[list[NodeDesc], JobState]:
+            return [NodeDesc(**d) for d in json.loads(item.value)], state
+
         while True:
-            closed = self.store.get(closed_key)
-            if closed is not None:
-                return [NodeDesc(**d) for d in json.loads(closed.value)]
-            state, version = self.read_state()
+            if known is not None:
+                (state, version), known = known, None
+                joined = self._joined[1]  # at least this many have joined: no count needed
+            else:
+                (state, version), closed = self._read_round(target)
+                if closed is not None:
+                    return members(closed)
+                joined = None
             self._raise_if_ended(state)
             if state.round > target:
                 return None
@@ -308,7 +339,8 @@ class Rendezvous:
             now = self._clock()
             if deadline is None:
                 deadline = now + s.join_timeout
-            joined = self.store.count(self._nodes(target))
+            if joined is None:
+                joined = self.store.count(self._nodes(target))
             if joined >= s.min_nodes and last_call_at is None:
                 last_call_at = now + s.last_call_timeout
             count = close_decision(joined, s.min_nodes, s.max_nodes, now, last_call_at)
@@ -319,7 +351,9 @@ class Rendezvous:
                     self._try_close(target, count)
                     continue
                 step_in_at = step_in_at or now + s.dead_after
-                self.store.wait_for_change(closed_key, 0, max(0.0, step_in_at - now))
+                closed = self.store.wait_for_change(closed_key, 0, max(0.0, step_in_at - now))
+                if closed is not None:
+                    return members(closed)
                 continue
             if now >= deadline:
                 raise RendezvousTimeoutError(
@@ -332,7 +366,9 @@ class Rendezvous:
                 wait_key, until = self._round_key(target, "quorum"), deadline
             else:
                 wait_key, until = closed_key, min(last_call_at, deadline)
-            self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
+            item = self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
+            if item is not None and wait_key == closed_key:
+                return members(item)
             self._heartbeat.check()
 
     def _is_closer(self, joined: int, count: int) -> bool:
@@ -355,12 +391,16 @@ class Rendezvous:
         members = assign_node_ranks([NodeDesc.from_json(raw) for raw in joiners])
         payload = json.dumps([asdict(m) for m in members]).encode()
         self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
+        if self.settings.min_nodes == self.settings.max_nodes:  # wakes those who wait for it
+            self.store.set_once(self._round_key(target, "quorum"), b"1")
 
-    def _complete(self, target: int, members: list[NodeDesc]) -> RendezvousInfo | None:
-        """This node's view of the closed round ``target``; None when the round had to be
+    def _complete(
+        self, target: int, members: list[NodeDesc], state: JobState
+    ) -> RendezvousInfo | None:
+        """This node's view of the closed round ``target`` (``state``: the job state read while
+        the round was open: its restart count is the round's); None when the round had to be
         abandoned (node rank 0 died before publishing the workers' store)."""
         node_rank = next(i for i, m in enumerate(members) if m.node_id == self.me.node_id)
-        state, _ = self.read_state()
         master_key = self._round_key(target, "master")
         if node_rank == 0:
             addr, port = self._host_bootstrap()
@@ -392,16 +432,16 @@ class Rendezvous:
         self._heartbeat.watch(rank0)
         deadline = self._clock() + s.read_timeout + s.dead_after
         while self._clock() < deadline:
-            item = self.store.wait_for_change(
-                self._round_key(target, "master"), 0, s.keep_alive_interval
-            )
+            # pieces of dead_after: a lost node rank 0 cannot be told sooner, and a thousand
+            # nodes waiting here must not poll the store every keep-alive interval
+            item = self.store.wait_for_change(self._round_key(target, "master"), 0, s.dead_after)
             if item is not None:
                 return item
             self._heartbeat.check()
-            if self.read_state()[0].round != target:
-                return None
             if self._heartbeat.lost_neighbour is not None:
                 self.request_restart(f"node {rank0} lost", failure=False, round=target)
+                return None
+            if self.read_state()[0].round != target:
                 return None
         raise RendezvousError(
             f"round {target}: node rank 0 ({rank0}) did not publish the workers' store within "
