@@ -97,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--pp-microbatches", type=int, default=4, help="with --pp: per step")
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient to this "
                    "global norm, over every axis of the mesh (0: no clipping)")
+    p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
+                   default="none", help="recompute each block's activations in backward "
+                   "(selective: keep matmul and attention outputs)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: "
                    "momentum 0.9, no weight decay (its steps scale with the gradient, so the "
                    "logged loss shows a wrong gradient scale that AdamW would hide)")

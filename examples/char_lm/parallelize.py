@@ -31,12 +31,14 @@ def parallelize_lm(model, args):
     """Apply ``--pp``, ``--tp`` and ``--dp`` (``--dp-mode``) to ``model`` over one mesh.
 
     The mesh is ``Mesh({"pp": P, "dp": D, "tp": T})`` (D defaults to world size / (P T)).
-    Order: TP on the whole CharLM first, so its parameter names and the plan's keys stay those
+    Order: activation checkpointing of each block (``--activation-checkpointing``), TP on
+    the whole CharLM, so its parameter names and the plan's keys stay those
     of CharLM and the Embed / LMHead wrappers of the split share the already sharded modules;
     then the pipeline split, keeping this rank's stages; then data parallelism on each of them
     over the "dp" axis (fsdp: each block, then the stage; ddp: the stage). The char LM's
     embedding and head are separate parameters (untied), so no gradient has to be summed
-    across the first and last stages. Under plain python (one process) nothing is applied;
+    across the first and last stages. Under plain python (one process) only activation
+    checkpointing is applied;
     ``--dp-mode torch-ddp`` (torch's DistributedDataParallel, the reference) is for pure data
     parallelism. Rank 0 prints one line of what was applied (``parallelize: ...``).
     """
@@ -48,17 +50,26 @@ def parallelize_lm(model, args):
         raise SystemExit(problem)
     pp, tp = args.pp, args.tp
     dp = args.dp if args.dp is not None else world_size // (pp * tp)
+    applied = []
+    if args.activation_checkpointing != "none":  # each block; its FSDP unit wraps it later
+        from meshrun.parallel import checkpoint_activations
+
+        for block in model.blocks:
+            checkpoint_activations(block, args.activation_checkpointing)
+        applied.append(f"activation checkpointing ({args.activation_checkpointing}, every "
+                       f"block)")
     if not distributed or (args.dp_mode == "torch-ddp" and pp == tp == 1):
         dp_rank = dist.get_rank() if distributed else 0
         wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
         if dp > 1:
-            _say(f"parallelize: torch DistributedDataParallel over {dp} ranks")
+            applied.append(f"torch DistributedDataParallel over {dp} ranks")
+        if applied:
+            _say("parallelize: " + "; ".join(applied))
         return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
                         dp_rank=dp_rank, dp_size=dp)
     from meshrun.parallel import Mesh
 
     mesh = Mesh({"pp": pp, "dp": dp, "tp": tp})
-    applied = []
     if tp > 1:  # before the split: the plan names CharLM's modules
         apply_tp(model, mesh.group("tp"), args.sequence_parallel)
         applied.append(f"tp {tp} ({len(tp_plan(args.sequence_parallel))} plan entries"
@@ -257,5 +268,5 @@ def clip_gradients(par, max_norm):
 
 
 def _say(line):
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(line, flush=True)

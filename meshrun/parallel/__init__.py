@@ -14,6 +14,8 @@ model with an explicit process group or mesh; there are no module-level global g
   it. So ``model.state_dict()`` holds DTensors of the unsplit shapes (TP, FSDP, TP x FSDP:
   torch DCP saves the unsplit model) and `full_state_dict()` gathers full tensors onto the
   first rank, at any layout.
+- `checkpoint_activations()`: recompute a module's activations in backward (full, or
+  selective: keep matmul and attention outputs), composable with every strategy.
 - `gradient_sync()`: switch gradient synchronisation off for the first backwards of an
   accumulation, under FSDP or DDP alike.
 - `checkpoint` (``save``, ``load``, ``latest``, ``model_state``, ``optimizer_state``):
@@ -26,6 +28,7 @@ model with an explicit process group or mesh; there are no module-level global g
   lists (`meshrun.parallel.pipelining` also has the validator and the simulator).
 """
 
+from meshrun.parallel.activation_checkpoint import checkpoint_activations
 from meshrun.parallel.context import ParallelContext, init
 from meshrun.parallel.ddp import agree_num_batches, ddp
 from meshrun.parallel.fsdp import (
@@ -64,7 +67,7 @@ __all__ = ["ColwiseParallel", "Mesh", "ParallelContext", "PrepareModuleInput",
            "PrepareModuleOutput", "RNGTracker", "RowwiseParallel", "SequenceParallel",
            "ShardedDropout", "agree_num_batches", "ddp", "full_tensor", "heartbeat", "init",
            "parallelize", "vocab_parallel_cross_entropy"]
-__all__ += ["gradient_sync"]
+__all__ += ["checkpoint_activations", "gradient_sync"]
 __all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
             "fully_shard"]
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",

@@ -19,7 +19,9 @@ Note: the unit and autograd.
   identity (autograd saved them) but their storage is resized to 0 bytes. `UnshardBeforeBackward`
   (identity on the unit's outputs) fires when the gradient of the outputs arrives, i.e. before
   any backward op of the unit reads a saved parameter; it re-gathers into the same storage,
-  through ``.data`` so the version counters that autograd checks do not move. ZeRO-2
+  through ``.data`` so the version counters that autograd checks do not move, and installs
+  them on the modules until the unit's gradients are in (so a recompute under activation
+  checkpointing sees them, as in FSDP2, where parameters are unsharded during backward). ZeRO-2
   (``False``): the storage stays until the unit's reduce-scatter. The root unit (the outermost,
   found at the first forward) is never resharded after forward: its backward starts at once.
 - Prefetch: the root records the order in which units run forward. In the next forward, when
@@ -146,6 +148,7 @@ class Root:
                 self._finish(self.pending.pop(0))
             for unit in self.units:
                 unit.drop_gather()
+                unit._install(unit.params)  # a unit whose backward did not run to its end
                 if unit.full is not None:
                     for t in unit.full:
                         _free(t)
@@ -313,11 +316,13 @@ class Unit:
         self.root.ensure_callback()
         if any(_freed(t) for t in full):
             self.finish_gather(into=full)
+        self._install(full)  # for the backward: activation checkpointing recomputes with them
         self.root.backward_prefetch(self)
 
     def post_backward(self, grads: list[torch.Tensor | None]) -> None:
         """All gradients of the unsharded parameters are in: reduce-scatter (or accumulate)."""
         self.root.ensure_callback()
+        self._install(self.params)
         packed = self.grad_accum
         if packed is None:
             packed = torch.zeros(self.world_size * self.layout.shard_numel,

@@ -64,6 +64,17 @@ class RNGTracker:
             self._state = self._get()
             self._set(outer)
 
+    def get_state(self):
+        """The stream's state (a copy), for `set_state`: activation checkpointing replays the
+        stream in the recompute (Megatron's ``CudaRNGStatesTracker.get_states``)."""
+        cpu, cuda = self._state
+        return cpu.clone(), None if cuda is None else cuda.clone()
+
+    def set_state(self, state) -> None:
+        """Make the stream continue from ``state`` (from `get_state`)."""
+        cpu, cuda = state
+        self._state = (cpu.clone(), None if cuda is None else cuda.clone())
+
     def _devices(self):
         return [torch.cuda.current_device()] if self._cuda else []
 
