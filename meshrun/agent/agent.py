@@ -79,6 +79,11 @@ EXIT_HUNG = 124
 # Message + traceback kept per failure in this node's own report (what the store gets is less).
 _LOCAL_REPORT_MAX_BYTES = 32 * 1024
 _NO_STACK = "unknown (call meshrun.parallel.init() in the script, or install py-spy)"
+# Variables meshrun reads secrets from (an etcd password= in PET_RDZV_CONF; meshrun's own
+# *SECRET*/*PASSWORD*/*TOKEN* variables): never copied into a worker's environment. A torchrun
+# script needs none of them (DESIGN.md §3.1); the user's own variables pass through untouched.
+SECRET_ENV = frozenset({"PET_RDZV_CONF"})
+_SECRET_ENV_PATTERN = re.compile(r"MESHRUN_\w*(?:SECRET|PASSWORD|TOKEN)\w*")
 
 
 class ConfigError(ValueError):
@@ -634,17 +639,25 @@ def _non_loopback_address() -> str | None:
     return None
 
 
+def is_secret_env(name: str) -> bool:
+    """Whether meshrun reads a secret from the environment variable ``name`` (`SECRET_ENV`,
+    or a ``MESHRUN_*`` name with SECRET, PASSWORD or TOKEN in it); such a variable is kept out
+    of the workers' environment."""
+    return name in SECRET_ENV or _SECRET_ENV_PATTERN.fullmatch(name) is not None
+
+
 def worker_env(
     config: LaunchConfig, info: RendezvousInfo, local_rank: int, *, error_file: Path
 ) -> dict[str, str]:
-    """The environment of one worker: the agent's own, plus torchrun's contract (DESIGN §3.1).
+    """The environment of one worker: the agent's own, plus torchrun's contract (DESIGN §3.1),
+    less the variables meshrun reads secrets from (`is_secret_env`).
 
     Names and meanings are torchrun's (``LocalElasticAgent._start_workers``), so
     ``torch.distributed.is_torchelastic_launched()`` is true and ``init_process_group("env://")``
     connects to this round's bootstrap store as a client.
     """
     rank = info.rank_offset + local_rank
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not is_secret_env(k)}
     for name, original in AGENT_ONLY_ENV.items():  # what the agent set for itself only
         if original is None:
             env.pop(name, None)
