@@ -69,7 +69,7 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
-                reshard_after_forward: bool = True,
+                mesh=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard ``module``'s parameters on dim 0 across ``group``; return the same module.
 
@@ -96,6 +96,10 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         module: the block or model, on its device, with the same values on every rank (rank 0
             of ``group`` broadcasts its values, as ``ddp`` does). One dtype per call.
         group: process group to shard over (default: the whole world); e.g. ``mesh.group("dp")``.
+        mesh: instead of ``group``, a `Mesh`: 1-D (shard over its axis), or 2-D with axes
+            ``("dp_replicate", "dp_shard")`` for HSDP (hybrid sharding, as FSDP2 with a 2-D
+            mesh): shard over ``dp_shard``, replicate over ``dp_replicate``; the gradients
+            are reduce-scattered within the shard group, then all-reduced across replicas.
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (see
             `FSDPModule.set_reshard_after_forward`).
         mp_policy: `MixedPrecisionPolicy` (default: none, everything in the parameters' dtype).
@@ -106,7 +110,8 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     Raises:
         RuntimeError: the default process group is not initialised, or ``module`` was already
             passed to ``fully_shard``.
-        ValueError: a parameter is already managed by another ``fully_shard`` call (shared
+        ValueError: both ``group`` and ``mesh``; a mesh of other axes; a parameter is already
+            managed by another ``fully_shard`` call (shared
             between two calls, or calls made top-down); a 0-dim parameter; parameters of
             more than one dtype in one call. The message names the parameter and the fix.
 
@@ -120,9 +125,11 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         raise RuntimeError(f"fully_shard: this {type(module).__name__} was already passed to "
                            f"fully_shard")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    group, replicate_group = _groups(group, mesh)
     params, aliases, fqns = _collect(module)
     before = [placement.of(p) for p in params]  # TP's record, or whole: read before the cut
-    unit = Unit(module, group, params, aliases, fqns, reshard_after_forward, mp_policy)
+    unit = Unit(module, group, params, aliases, fqns, reshard_after_forward, mp_policy,
+                replicate_group=replicate_group)
     for p, was in zip(params, before, strict=True):
         p._fsdp_unit = unit
         placement.record(p, was.narrow(placement.Cut("fsdp", group, 0, unit.world_size,
@@ -136,6 +143,22 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     return module
+
+
+def _groups(group, mesh):
+    """(shard group, replicate group or None) from ``fully_shard``'s ``group`` / ``mesh``."""
+    if mesh is None:
+        return group, None
+    if group is not None:
+        raise ValueError("fully_shard: give group= or mesh=, not both")
+    axes = tuple(mesh.axes)
+    if len(axes) == 1:
+        return mesh.group(axes[0]), None
+    if axes == ("dp_replicate", "dp_shard"):
+        return mesh.group("dp_shard"), mesh.group("dp_replicate")
+    raise ValueError(f"fully_shard: mesh= takes one axis, or the two axes ('dp_replicate', "
+                     f"'dp_shard') for HSDP, in that order (got {axes}); for another mesh "
+                     f"pass group=mesh.group(<axis>)")
 
 
 def _collect(module: nn.Module):

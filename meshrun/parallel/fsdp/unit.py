@@ -29,6 +29,11 @@ Note: the unit and autograd.
   runs (on gloo's thread) while unit i computes; in backward, unit i's pre-backward issues the
   gather of the unit that ran before it. Every rank issues collectives in the same order, which
   gloo requires (the order is a function of the model and the recorded forward).
+- HSDP (``fully_shard(module, mesh=Mesh({"dp_replicate": R, "dp_shard": S}))``): the unit
+  shards over the ``dp_shard`` group and is replicated over ``dp_replicate``; after the
+  reduce-scatter within the shard group, the shard's gradient is all-reduced over the
+  replicas (the mean over all R x S ranks), so memory is that of FSDP over S and only 1/S of
+  the gradient crosses the replica groups (across nodes, when a shard group is one node).
 - No sync (`set_requires_gradient_sync(False)`): backward adds the packed unsharded gradients
   into a buffer the size of the unsharded unit and communicates nothing; the next synchronised
   backward adds its gradients to that buffer and reduce-scatters it (gradient accumulation
@@ -44,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from meshrun.parallel._comm import all_gather_flat, reduce_scatter_flat
+from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat
 from meshrun.parallel.fsdp.layout import ShardLayout
 from meshrun.parallel.heartbeat import heartbeat
 
@@ -160,6 +165,8 @@ class Root:
     def _finish(entry) -> None:
         unit, work, output, _packed = entry
         work.wait()
+        if unit.replicate_group is not None:  # HSDP: sum the replicas' shard gradients
+            all_reduce_(output, unit.replicate_group)
         unit.accumulate_shard_grads(output)
 
 
@@ -168,9 +175,12 @@ class Unit:
 
     def __init__(self, module: nn.Module, group, params: list[nn.Parameter],
                  aliases: list[list[tuple[nn.Module, str]]], fqns: list[list[str]],
-                 reshard_after_forward: bool, mp_policy):
+                 reshard_after_forward: bool, mp_policy, replicate_group=None):
         self.module, self.group = module, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # HSDP: the shard is replicated over this group; its gradients are all-reduced there
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group else 1
         self.params, self.aliases, self.fqns = params, aliases, fqns  # fqns: per alias
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
@@ -194,6 +204,8 @@ class Unit:
         full = [p.detach() for p in self.params]
         if full:
             flat = torch.cat([t.reshape(-1) for t in full])
+            if self.replicate_group is not None:  # replica 0's values, then shard rank 0's
+                dist.broadcast(flat, group=self.replicate_group, group_src=0)
             dist.broadcast(flat, group=self.group, group_src=0)
             full = list(torch.split(flat, [t.numel() for t in full]))
         self.sharded = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
@@ -333,7 +345,7 @@ class Unit:
             self.grad_accum = packed
             return
         self.grad_accum = None
-        packed.div_(self.world_size)  # average over ranks (gloo has no ReduceOp.AVG)
+        packed.div_(self.world_size * self.replicas)  # the mean (gloo has no ReduceOp.AVG)
         output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.root.add_pending((self, reduce_scatter_flat(output, packed, self.group), output, packed))
 
