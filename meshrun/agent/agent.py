@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.errors import WorkerFailure, format_report, root_cause
 from meshrun.agent.hang import Hang, ProgressWatch, collect_stack, progress_env, stuck_at
+from meshrun.agent.logs import UnsafeLogDir, make_private_dir
 from meshrun.agent.reaper import Reaper
 from meshrun.agent.workers import (
     GroupResult,
@@ -150,14 +151,33 @@ class Agent:
         return c.rdzv_endpoint
 
     def _log_dir(self) -> Path:
+        """This agent's log directory, ``<--log-dir>/<run id>/<host>_<pid>`` (a temp dir's
+        ``<host>_<pid>`` without --log-dir), made on the first call (`make_private_dir`: 0700,
+        never through a symlink).
+
+        Raises:
+            ConfigError: it cannot be made safely (a planted symlink, a file, another user's
+                directory) or at all; one line naming the path.
+        """
         if self._log_root is None:
             if self.config.log_dir:
-                base = Path(self.config.log_dir) / self.run_id
+                parent, names = Path(self.config.log_dir), (self.run_id,)
             else:
-                base = Path(tempfile.mkdtemp(prefix=f"meshrun_{self.run_id}_"))
+                parent, names = Path(tempfile.mkdtemp(prefix=f"meshrun_{self.run_id}_")), ()
                 self._temp_logs = True
-            self._log_root = base / f"{self.host}_{os.getpid()}"
+            self._log_root = self._private_dir(parent, *names, f"{self.host}_{os.getpid()}")
         return self._log_root
+
+    @staticmethod
+    def _private_dir(parent: Path, *names: str) -> Path:
+        try:
+            return make_private_dir(parent, *names)
+        except UnsafeLogDir as e:
+            raise ConfigError(str(e)) from None
+        except OSError as e:
+            raise ConfigError(
+                f"cannot make the log directory under {parent}: {e.strerror or e}"
+            ) from None
 
     # -- the run loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -180,6 +200,7 @@ class Agent:
         reaper.start()
         rdzv: Rendezvous | None = None
         try:
+            self._log_dir()  # a log dir that cannot be made safely: exit 2, nothing started
             store, addr = self._interruptible(
                 open_store,
                 self.config.rdzv_backend,
@@ -439,7 +460,9 @@ class Agent:
     # -- workers ---------------------------------------------------------------------------------
     def _start_group(self, info: RendezvousInfo, reaper: Reaper) -> None:
         c = self.config
-        attempt_dir = self._log_dir() / f"attempt_{info.round}"
+        attempt_dir = self._private_dir(self._log_dir(), f"attempt_{info.round}")
+        for local_rank in range(c.nproc_per_node):
+            self._private_dir(attempt_dir, str(local_rank))
         ranks = f"ranks {info.rank_offset}..{info.rank_offset + info.local_world_size - 1}"
         say(
             f"round {info.round}: node rank {info.node_rank} of {info.num_nodes}, {ranks} of "

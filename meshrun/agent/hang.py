@@ -74,8 +74,13 @@ class ProgressWatch:
         self._ranks = []
         for d in worker_dirs:
             path = Path(progress_env(d)["MESHRUN_PROGRESS_FILE"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"\0" * 8)  # the worker maps it; zero = no heartbeat yet
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(path, flags, 0o600)
+            try:
+                os.write(fd, b"\0" * 8)  # the worker maps it; zero = no heartbeat yet
+            finally:
+                os.close(fd)
             self._ranks.append(_Watched(path))
 
     def check(self) -> list[Hang]:

@@ -121,6 +121,70 @@ class LinePrefixer:
         self._after_cr = False
 
 
+class UnsafeLogDir(OSError):
+    """A log directory that cannot be made safely: a symlink or a file where a directory of
+    this job's would go, one owned by another user, or a name that would leave its parent."""
+
+
+def make_private_dir(parent: Path, *names: str) -> Path:
+    """Create ``parent/names[0]/names[1]/...`` one component at a time; return the path.
+
+    The log files are private to the job (§3.7): each component is made with ``mkdir`` mode
+    0700 and opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to its parent's descriptor
+    (``dir_fd``), so a symlink planted in a shared ``--log-dir`` is never followed, and it must
+    belong to this user. One that exists already (another agent of the job made it) is used as
+    it is. ``parent`` itself is the user's (``--log-dir``, a temp dir): created (0700) when
+    missing, followed if it is a symlink. Files made inside are 0600 (`LogFile`).
+
+    Raises:
+        UnsafeLogDir: ``parent`` is not a directory; a component is a symlink, not a directory,
+            owned by another user, or not a plain name (empty, ``.``, ``..``, with ``/``). The
+            message is one line naming the path.
+        OSError: the directories cannot be made (permissions, a full disk).
+    """
+    path = Path(parent)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileExistsError, NotADirectoryError):
+        raise UnsafeLogDir(f"log directory {path} is not a directory") from None
+    try:
+        for name in names:
+            if not name or name in (".", "..") or "/" in name or "\0" in name:
+                raise UnsafeLogDir(f"log directory {path}: {name!r} is not a plain name")
+            path = path / name
+            try:
+                os.mkdir(name, 0o700, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                child = os.open(name, flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                is_link = os.path.islink(path)
+                what = "a symlink" if is_link else "not a directory"
+                raise UnsafeLogDir(
+                    f"log directory {path} is {what}; refusing to write logs through it "
+                    "(remove it, or give another --log-dir)"
+                ) from None
+            os.close(fd)
+            fd = child
+            owner = os.fstat(fd).st_uid
+            if owner != os.geteuid():
+                raise UnsafeLogDir(
+                    f"log directory {path} belongs to uid {owner}, not to this user "
+                    f"(uid {os.geteuid()}); refusing to write logs there"
+                )
+            if made:
+                os.fchmod(fd, 0o700)  # whatever the umask
+    finally:
+        os.close(fd)
+    return path
+
+
 class LogFile:
     """One log file, written byte for byte with ``os.write``; rotated by size; dropped on error.
 
@@ -156,12 +220,13 @@ class LogFile:
         self._on_error = on_error or console("stderr").say
         self._fd: int | None = None
         self._size = 0
-        mode = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+        mode = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        mode |= os.O_APPEND if append else os.O_TRUNC
         try:
             if max_bytes is not None:
                 for i in range(1, self.BACKUPS + 2):
                     self._backup(i).unlink(missing_ok=True)
-            self._fd = os.open(self.path, mode, 0o644)
+            self._fd = os.open(self.path, mode, 0o600)
             self._size = os.fstat(self._fd).st_size
         except OSError as e:
             self._fail(e)
@@ -220,7 +285,8 @@ class LogFile:
             except FileNotFoundError:
                 pass
         os.replace(self.path, self._backup(1))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+        self._fd = os.open(self.path, flags, 0o600)
         self._size = 0
 
     def _backup(self, i: int) -> Path:

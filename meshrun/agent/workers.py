@@ -376,7 +376,7 @@ class WorkerGroup:
         if not filters:
             return None
         assert self._filtered_dir is not None
-        self._filtered_dir.mkdir(parents=True, exist_ok=True)
+        self._filtered_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         sink = FilteredSink(self._filtered_dir / name, filters, self._stderr_console.say)
         self._sinks.append(sink)
         return sink
@@ -385,7 +385,7 @@ class WorkerGroup:
         self, spec: WorkerSpec, out_filter: FilteredSink | None, err_filter: FilteredSink | None
     ) -> _Worker:
         log_dir = Path(spec.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if spec.error_file:
             try:
                 os.unlink(spec.error_file)

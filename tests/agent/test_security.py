@@ -58,3 +58,55 @@ def test_secrets_never_reach_the_workers_environment_or_logs(launch):
     for f in files:
         assert SECRET.encode() not in f.read_bytes(), f"{f} holds the secret"
     assert SECRET not in stdout and SECRET not in stderr
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.lstat().st_mode & 0o7777 for p in root.rglob("*")}
+
+
+@pytest.mark.timeout(60)
+def test_log_directories_are_0700_and_files_0600(launch):
+    """A run with --log-dir (created by meshrun), filters and --hang-timeout (its progress
+    files): every directory meshrun made is 0700, every file it made 0600."""
+    out, logs = launch.cwd / "out", launch.cwd / "logs"
+    out.mkdir()
+    (out / "stop").touch()  # the workers print their environment and exit at once
+    done = launch.run(
+        ["--nproc-per-node", "2", "--log-dir", str(logs), "--rdzv-id", "perm", "--tee", "3",
+         "--duplicate-stdout-filters", "RANK", "--hang-timeout", "30", HOLD_ENV, str(out)],
+        timeout=40,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert logs.stat().st_mode & 0o7777 == 0o700
+    modes = _modes(logs)
+    assert any(name.endswith("stdout.log") for name in modes), modes
+    assert any(name.endswith("progress") for name in modes), modes
+    wrong = {
+        name: oct(mode) for name, mode in modes.items()
+        if mode != (0o700 if (logs / name).is_dir() else 0o600)
+    }  # fmt: skip
+    assert not wrong, wrong
+
+
+@pytest.mark.timeout(60)
+def test_a_symlink_planted_in_a_shared_log_dir_is_refused(launch):
+    """In a world-writable --log-dir, someone planted ``<log-dir>/<run id>`` as a symlink to a
+    directory of theirs: meshrun says so in one line and exits 2 before starting anything;
+    nothing is written through the link."""
+    out, shared, planted = launch.cwd / "out", launch.cwd / "shared", launch.cwd / "planted"
+    for d in (out, shared, planted):
+        d.mkdir()
+    (out / "stop").touch()
+    shared.chmod(0o1777)
+    (shared / "job7").symlink_to(planted)
+    done = launch.run(
+        ["--nproc-per-node", "1", "--log-dir", str(shared), "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "job7", HOLD_ENV, str(out)],
+        timeout=40,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "symlink" in errors[0], done.stderr
+    assert str(shared / "job7") in errors[0]
+    assert list(planted.iterdir()) == []
+    assert not list(out.glob("pid_*"))  # no worker ran
