@@ -65,7 +65,7 @@ from meshrun.rendezvous import (
     open_store,
     settings_from_conf,
 )
-from meshrun.rendezvous.c10d import AGENT_ONLY_ENV
+from meshrun.rendezvous.c10d import AGENT_ONLY_ENV, bind_address
 
 if TYPE_CHECKING:  # the agent reads the config; it imports nothing from the launcher
     from meshrun.launcher.config import LaunchConfig
@@ -208,13 +208,14 @@ class Agent:
                 self.settings,
                 node_rank=self.config.node_rank,
             )
+            self._note_loopback_store(store)
             me = NodeDesc(
                 node_id=self.node_id,
                 addr=self.config.local_addr or self._advertised(addr),
                 nproc=self.config.nproc_per_node,
                 node_rank_hint=self.config.node_rank,
             )
-            bootstrap = BootstrapStore("127.0.0.1" if self.config.max_nodes == 1 else "")
+            bootstrap = BootstrapStore(self._bootstrap_bind(me.addr))
             rdzv = Rendezvous(
                 store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
             )
@@ -276,6 +277,43 @@ class Agent:
             "(give --local-addr to choose)"
         )
         return other
+
+    def _note_loopback_store(self, store) -> None:
+        """Say so when the rendezvous store this node hosts listens on a loopback address
+        although the endpoint is a name (a host name that /etc/hosts maps to 127.0.1.1):
+        other machines cannot reach it there."""
+        bound = getattr(store, "host", "") if store.serves_others else ""
+        endpoint_host = _endpoint_host(self.endpoint)
+        if bound and _is_loopback_literal(bound) and not _is_loopback_literal(endpoint_host):
+            say(
+                f"note: the rendezvous endpoint {endpoint_host} resolves to the loopback address "
+                f"{bound} here, so the store listens there only, where other machines cannot "
+                "reach it; for nodes on other machines give --rdzv-endpoint an address of this "
+                "host (or fix /etc/hosts), or --rdzv-conf bind_all=true"
+            )
+
+    def _bootstrap_bind(self, advertised: str) -> str:
+        """The address the workers' store listens on when this node hosts it: the one it
+        advertises as MASTER_ADDR (resolved here when a name), never the wildcard unless
+        ``--rdzv-conf bind_all=true`` asks (""); 127.0.0.1 for a single-node job.
+
+        Raises:
+            ConfigError: the advertised address (``--local-addr``) is no address of this host.
+        """
+        if self.config.max_nodes == 1:
+            return "127.0.0.1"
+        if self.settings.bind_all:
+            return ""
+        addr = bind_address(advertised)
+        if addr is None:
+            given = " (--local-addr)" if self.config.local_addr else ""
+            raise ConfigError(
+                f"this node advertises {advertised}{given} to the workers as "
+                "MASTER_ADDR, which is not an address of this host, so their store cannot "
+                "listen on it; give --local-addr an address of this host, or --rdzv-conf "
+                "bind_all=true to listen on every interface (e.g. behind NAT)"
+            )
+        return addr
 
     def _open(self, bootstrap: BootstrapStore, me: NodeDesc) -> tuple[str, int]:
         """Start the round's workers' store (on node rank 0); return its address."""

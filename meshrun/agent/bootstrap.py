@@ -21,7 +21,6 @@ number, which may have been reused meanwhile).
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from datetime import timedelta
 
@@ -34,8 +33,9 @@ class BootstrapStore:
     """One round's workers' store.
 
     Args:
-        bind_addr: the address to listen on ("" for every interface, IPv4 and IPv6 where the
-            host has IPv6; "127.0.0.1" for a single-node job, which needs nothing from outside).
+        bind_addr: the address to listen on: the one this node advertises as MASTER_ADDR
+            ("127.0.0.1" for a single-node job, which needs nothing from outside); "" for every
+            interface, IPv4 and IPv6 where the host has IPv6 (``--rdzv-conf bind_all=true``).
         timeout: seconds the store waits on a blocking request.
     """
 
@@ -55,13 +55,10 @@ class BootstrapStore:
         Raises:
             OSError: the socket cannot be bound or listen.
         """
-        sock = _listen_socket(self._bind_addr)
-        try:
-            sock.listen(int(os.environ.get("MESHRUN_LISTEN_BACKLOG", "1024")))
-            self._port = sock.getsockname()[1]
-        except BaseException:
-            sock.close()
-            raise
+        from meshrun.rendezvous.c10d import listen_socket  # no torch import
+
+        sock = listen_socket(self._bind_addr, 0)
+        self._port = sock.getsockname()[1]
         st = os.fstat(sock.fileno())
         self._fd, self._fd_id = sock.detach(), (st.st_dev, st.st_ino)
         self.error = None
@@ -130,21 +127,3 @@ def _close_if_same(fd: int, ident: tuple[int, int] | None) -> None:
         return
     if (st.st_dev, st.st_ino) == ident:
         os.close(fd)
-
-
-def _listen_socket(addr: str) -> socket.socket:
-    """A TCP socket bound to ``addr`` on an OS-assigned port; "" is dual-stack where possible."""
-    if addr == "" and socket.has_ipv6:
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("::", 0))
-            return sock
-        except OSError:
-            sock.close()
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, 0))
-    return sock

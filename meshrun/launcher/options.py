@@ -91,7 +91,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
          help="Job id: the nodes of one job give the same id."),
     _opt("rdzv_conf", group=RDZV, default="", metavar="K=V,...",
          help="Rendezvous settings, e.g. join_timeout=600,last_call_timeout=30. "
-              "timeout= is read as join_timeout=."),
+              "timeout= is read as join_timeout=. bind_all=true: the stores this node hosts "
+              "listen on every interface (default: the endpoint's or advertised address only)."),
     _opt("master_addr", group=RDZV, default="127.0.0.1", metavar="HOST",
          help="Address of node rank 0, for the static rendezvous."),
     _opt("master_port", group=RDZV, metavar="PORT",

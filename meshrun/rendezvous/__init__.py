@@ -64,11 +64,14 @@ def open_store(
         return MemoryStore(), "127.0.0.1"
     from meshrun.rendezvous import c10d
 
+    # The store an agent hosts listens on the endpoint's address only (§3.7), unless asked.
+    bind_all = settings.bind_all
     if backend == "static":
         host, port = c10d.parse_endpoint(endpoint)
         store = c10d.TCPStoreBackend(
-            host, port, is_host=(node_rank or 0) == 0, timeout=settings.read_timeout
-        )
+            host, port, is_host=(node_rank or 0) == 0, timeout=settings.read_timeout,
+            bind_all=bind_all,
+        )  # fmt: skip
         return store, c10d.outbound_address(host, port)
     if backend == "c10d":
         host, port = c10d.parse_endpoint(endpoint)
@@ -78,12 +81,15 @@ def open_store(
             if is_host:  # two agents on one host: the first to bind hosts, the other connects
                 try:
                     store = c10d.TCPStoreBackend(
-                        host, port, is_host=True, timeout=settings.read_timeout
-                    )
+                        host, port, is_host=True, timeout=settings.read_timeout,
+                        bind_all=bind_all,
+                    )  # fmt: skip
                     return store, c10d.outbound_address(host, port)
                 except RendezvousError:
                     is_host = False
-        store = c10d.TCPStoreBackend(host, port, is_host=is_host, timeout=settings.read_timeout)
+        store = c10d.TCPStoreBackend(
+            host, port, is_host=is_host, timeout=settings.read_timeout, bind_all=bind_all
+        )
         return store, c10d.outbound_address(host, port)
     if backend in ("etcd", "etcd-v3"):
         from meshrun.rendezvous import etcd  # etcd3gw is imported only here
@@ -102,6 +108,7 @@ def check_endpoint(backend: str, endpoint: str, settings: RendezvousSettings) ->
     """
     if settings.max_nodes == 1 and backend != "etcd":
         return
+    _parse_bool(settings.extra.get("bind_all"), "bind_all")
     if backend in ("static", "c10d"):
         from meshrun.rendezvous.c10d import parse_endpoint
 
@@ -115,7 +122,7 @@ def check_endpoint(backend: str, endpoint: str, settings: RendezvousSettings) ->
         EtcdOptions.from_conf(endpoint, settings.extra, settings.read_timeout)
 
 
-def _parse_bool(text: str | None) -> bool | None:
+def _parse_bool(text: str | None, key: str = "is_host") -> bool | None:
     if text is None:
         return None
     lowered = text.strip().lower()
@@ -123,4 +130,4 @@ def _parse_bool(text: str | None) -> bool | None:
         return True
     if lowered in ("0", "false", "no", "n", "off"):
         return False
-    raise ValueError(f"--rdzv-conf is_host={text}: expected true or false")
+    raise ValueError(f"--rdzv-conf {key}={text}: expected true or false")

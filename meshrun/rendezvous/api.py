@@ -122,13 +122,20 @@ class RendezvousSettings:
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
+    def bind_all(self) -> bool:
+        """``--rdzv-conf bind_all=true``: the stores this agent hosts listen on every interface
+        (the default is the endpoint's / the advertised address only; §3.7)."""
+        return self.extra.get("bind_all", "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+    @property
     def dead_after(self) -> float:
         """Seconds without a heartbeat after which a node counts as lost."""
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
 
 # The --rdzv-conf keys the protocol reads, with their types. Backend-specific keys (is_host,
-# TLS files, user/password) are passed through ``RendezvousSettings.extra``.
+# TLS files, user/password; bind_all: the stores an agent hosts listen on every interface,
+# not only the endpoint's / advertised address) are passed through ``RendezvousSettings.extra``.
 CONF_KEYS: dict[str, type] = {
     "join_timeout": float,
     "last_call_timeout": float,
@@ -138,7 +145,7 @@ CONF_KEYS: dict[str, type] = {
     "read_timeout": float,
 }
 BACKEND_CONF_KEYS = frozenset(
-    {"is_host", "cacert", "cert", "key", "user", "password", "protocol", "store_type"}
+    {"is_host", "bind_all", "cacert", "cert", "key", "user", "password", "protocol", "store_type"}
 )
 
 

@@ -125,25 +125,88 @@ def outbound_address(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+def bind_address(host: str) -> str | None:
+    """The address of this host that ``host`` names: ``host`` itself when it is a literal
+    address of this host (or a loopback one), else the first address the name resolves to
+    here that is one; None when there is none. A listening socket is bound to it, never to the
+    wildcard (DESIGN.md §3.7)."""
+    mine = local_addresses()
+    try:
+        candidates = [str(ipaddress.ip_address(host.strip("[]")))]
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return None
+        candidates = [info[4][0].split("%")[0] for info in infos]
+    for addr in candidates:
+        if addr in mine or ipaddress.ip_address(addr).is_loopback:
+            return addr
+    return None
+
+
+def listen_socket(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``addr:port`` (port 0: the OS picks one); ``addr`` ""
+    is every interface (dual-stack where the host has IPv6).
+
+    Raises:
+        OSError: it cannot be bound (EADDRINUSE, EADDRNOTAVAIL) or listen.
+    """
+    sock = None
+    if addr == "" and socket.has_ipv6:
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("::", port))
+        except OSError:
+            sock.close()
+            sock = None
+    if sock is None:
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+        except BaseException:
+            sock.close()
+            raise
+    try:
+        sock.listen(int(os.environ.get("MESHRUN_LISTEN_BACKLOG", "1024")))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class TCPStoreBackend(Store):
     """The store contract on a TCPStore at ``host:port``.
 
     Args:
         host, port: the store's address.
-        is_host: start the store server in this process (the agent chosen to host it).
+        is_host: start the store server in this process (the agent chosen to host it). Its
+            socket is bound to the address ``host`` names on this host (`bind_address`), or
+            with ``bind_all`` to every interface, and handed to TCPStore
+            (``master_listen_fd``).
         timeout: seconds for connecting and for each blocking operation (``read_timeout``).
     Raises:
-        StoreLostError: the store cannot be reached, or stops answering.
+        StoreLostError: the store cannot be reached, hosted (``host`` is no address of this
+            host, the port is taken), or stops answering.
     """
 
-    def __init__(self, host: str, port: int, *, is_host: bool, timeout: float):
+    def __init__(
+        self, host: str, port: int, *, is_host: bool, timeout: float, bind_all: bool = False
+    ):
         self.host, self.port, self.is_host, self.timeout = host, port, is_host, timeout
         self._writer = uuid.uuid4().hex[:8]
+        listen_fd = None
+        if is_host:  # port 0: the OS picks one, and the store's own client uses it
+            listen_fd, self.host, self.port = self._listen(host, port, bind_all)
+            host, port = self.host, self.port
         # The new connection is found by comparing this process's connections before and
         # after; a lock keeps two connects in one process from seeing each other's.
         with _CONNECT_LOCK:
             before = _tcp_fds_to(host, port)
-            self._store = self._connect(host, port, is_host, timeout)
+            self._store = self._connect(host, port, is_host, timeout, listen_fd)
             self.port = self._store.port
             self.serves_others = is_host
             if not is_host:
@@ -151,7 +214,34 @@ class TCPStoreBackend(Store):
                     _fail_fast_when_silent(fd, timeout)
 
     @staticmethod
-    def _connect(host: str, port: int, is_host: bool, timeout: float):
+    def _listen(host: str, port: int, bind_all: bool) -> tuple[int, str, int]:
+        """Bind and listen for the store this agent hosts; return the descriptor, and the
+        address and port its own clients connect to (the bound ones).
+
+        Raises:
+            StoreLostError: ``host`` names no address of this host, or the bind fails.
+        """
+        addr = "" if bind_all else bind_address(host)
+        if addr is None:
+            raise StoreLostError(
+                f"cannot host the rendezvous store at {host}:{port}: {host} is not an address "
+                "of this host, so the store cannot listen on it (give an endpoint address of "
+                "this host, or --rdzv-conf bind_all=true to listen on every interface, e.g. "
+                "behind NAT or a service address)"
+            )
+        try:
+            sock = listen_socket(addr, port)
+        except OSError as e:
+            where = f"{addr}:{port}" if addr else f"port {port} (every interface)"
+            raise StoreLostError(
+                f"cannot host the rendezvous store at {host}:{port}: cannot listen on "
+                f"{where}: {e.strerror or e} (is the port already in use?)"
+            ) from None
+        bound_port = sock.getsockname()[1]
+        return sock.detach(), addr or host, bound_port
+
+    @staticmethod
+    def _connect(host: str, port: int, is_host: bool, timeout: float, listen_fd: int | None):
         """Host or reach the store, bounded by ``timeout`` seconds.
 
         TCPStore's client handshake has no deadline of its own: against a listener that is
@@ -171,9 +261,10 @@ class TCPStoreBackend(Store):
                         wait_for_workers=False,
                         timeout=timedelta(seconds=timeout),
                         use_libuv=True,
+                        **({"master_listen_fd": listen_fd} if listen_fd is not None else {}),
                     )
                 )
-            except Exception as e:  # noqa: BLE001 - reported below
+            except Exception as e:  # noqa: BLE001 - reported below (the agent exits 3)
                 outcome.append(e)
 
         before = _tcp_fds_to(host, port)

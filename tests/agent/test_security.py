@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
@@ -110,3 +111,39 @@ def test_a_symlink_planted_in_a_shared_log_dir_is_refused(launch):
     assert str(shared / "job7") in errors[0]
     assert list(planted.iterdir()) == []
     assert not list(out.glob("pid_*"))  # no worker ran
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("conf", "expected"), [("", {"127.0.0.1"}), (",bind_all=true", {"::"})], ids=["bound", "all"]
+)
+def test_stores_listen_on_the_endpoint_address_unless_bind_all(launch, conf, expected):
+    """A two-node c10d job on endpoint 127.0.0.1 (two agents here): while its workers run,
+    every socket either agent listens on (the rendezvous store, the workers' store) is bound
+    to 127.0.0.1, none to the wildcard; with --rdzv-conf bind_all=true (the opt-out) all are
+    on the wildcard (dual-stack). The job finishes either way."""
+    out = launch.cwd / "out"
+    out.mkdir()
+    port = launch.free_port()
+    agents = [
+        launch.start(
+            ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bind", "--rdzv-conf",
+             "last_call_timeout=0.5,join_timeout=30" + conf, "--monitor-interval", "0.1",
+             HOLD_ENV, str(out), "--dist"],
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    launch.wait_for(lambda: len(list(out.glob("pid_*"))) == 2, 60, what="both workers")
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for a in agents
+        for c in psutil.Process(a.pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    (out / "stop").touch()
+    results = [a.communicate(timeout=30) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [err for _, err in results]
+    assert port in {p for _, p in listening}, listening  # the rendezvous store
+    assert len(listening) >= 2, listening  # and the workers' store
+    assert {ip for ip, _ in listening} == expected, listening

@@ -6,6 +6,11 @@ test made. Each namespace gets ``lo`` up. Module-scoped (one scenario per module
 deleted at teardown, after every process the test started in them was killed, even when the
 test failed. Skipped with the reason where namespaces cannot be made (not root, no ``ip``,
 no CAP_SYS_ADMIN in a container).
+
+`netns_trio` adds a third namespace C, an outsider on a second network: A and B keep their
+private /30 (the job's link) and each gets a link to C (10.213.9.1-10.213.9.2 and
+10.213.9.5-10.213.9.6), so C reaches A and B at their outside addresses, never the private
+ones.
 """
 
 from __future__ import annotations
@@ -98,4 +103,58 @@ def netns_pair():
                 except subprocess.TimeoutExpired:
                     pass
         for h in (a, b):
+            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+
+
+@dataclass
+class NetnsTrio(NetnsPair):
+    """A and B on a private link, each also linked to the outsider C: ``outside[h.ns]`` is the
+    address C reaches host ``h`` at."""
+
+    c: Host | None = None
+    outside: dict[str, str] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def netns_trio():
+    reason = _cannot_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    tag = f"{os.getpid() % 100000}"
+    a = Host(f"mrt{tag}a", f"mrt{tag}a", "10.213.7.1")
+    b = Host(f"mrt{tag}b", f"mrt{tag}b", "10.213.7.2")
+    c = Host(f"mrt{tag}c", "", "")
+    trio = NetnsTrio(a, b, c=c)
+    links = ((a, "10.213.9.1", "10.213.9.2"), (b, "10.213.9.5", "10.213.9.6"))
+    try:
+        for h in (a, b, c):
+            _ip("netns", "add", h.ns)
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+        _ip("link", "add", a.ifname, "netns", a.ns, "type", "veth", "peer", "name", b.ifname,
+            "netns", b.ns)  # fmt: skip
+        for h in (a, b):
+            _ip("-n", h.ns, "addr", "add", f"{h.addr}/30", "dev", h.ifname)
+            _ip("-n", h.ns, "link", "set", h.ifname, "up")
+        for h, inside, outside in links:
+            mine, theirs = f"{h.ifname}o", f"{h.ifname}c"
+            _ip("link", "add", mine, "netns", h.ns, "type", "veth", "peer", "name", theirs,
+                "netns", c.ns)  # fmt: skip
+            _ip("-n", h.ns, "addr", "add", f"{inside}/30", "dev", mine)
+            _ip("-n", c.ns, "addr", "add", f"{outside}/30", "dev", theirs)
+            _ip("-n", h.ns, "link", "set", mine, "up")
+            _ip("-n", c.ns, "link", "set", theirs, "up")
+            trio.outside[h.ns] = inside
+        yield trio
+    finally:
+        for p in trio.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+        for h in (a, b, c):
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
