@@ -87,6 +87,15 @@ def launch(script: str | Path, nproc: int = 2, args: tuple[str, ...] = (), *,
     return Launch(proc.returncode, output, results)
 
 
+def assert_all_ok(result: Launch) -> None:
+    """Every rank reported, and every check it ran (`run_checks`) was "ok"; else the failing
+    rank, check and traceback (or the launch output when a rank reported nothing)."""
+    for rank, checks in enumerate(result.results):
+        assert checks, f"rank {rank} reported nothing:\n{result.output}"
+        for name, outcome in checks.items():
+            assert outcome == "ok", f"rank {rank} {name}:\n{outcome}"
+
+
 def run_one_process(script: str | Path, args: tuple[str, ...] = (), *, timeout: float = 120
                     ) -> subprocess.CompletedProcess:
     """Run ``script`` as plain ``python`` (no launcher, none of the torchrun environment: a

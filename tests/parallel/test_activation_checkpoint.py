@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from harness import launch
+from harness import assert_all_ok, launch
 from torch import nn
 
 from meshrun.parallel import checkpoint_activations
@@ -79,7 +79,4 @@ def test_bad_policy_and_twice_are_refused():
 @pytest.mark.timeout(120)
 def test_with_the_strategies_on_2_ranks():
     result = launch("ac_checks.py", 2, timeout=100)
-    for rank, checks in enumerate(result.results):
-        assert checks, f"rank {rank} reported nothing:\n{result.output}"
-        for name, outcome in checks.items():
-            assert outcome == "ok", f"rank {rank} {name}:\n{outcome}"
+    assert_all_ok(result)

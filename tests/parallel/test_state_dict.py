@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meshrun.parallel.placement import Cut, Placement, _layout, _not_a_dtensor
-from tests.parallel.harness import launch
+from tests.parallel.harness import assert_all_ok, launch
 
 
 @pytest.mark.timeout(120)
@@ -21,10 +21,7 @@ from tests.parallel.harness import launch
                                                ("pp_fsdp", 4), ("pp", 2)])
 def test_state_dicts_are_the_unsplit_model(tmp_path, layout, nproc):
     result = launch("state_dict_worker.py", nproc, (layout, str(tmp_path)), timeout=100)
-    for rank, checks in enumerate(result.results):
-        assert checks, f"rank {rank} reported nothing:\n{result.output}"
-        for name, outcome in checks.items():
-            assert outcome == "ok", f"rank {rank} {name}:\n{outcome}"
+    assert_all_ok(result)
 
 
 def tp_then_fsdp(dim, tp, dp, padded):
