@@ -41,6 +41,7 @@ run with ``--seed <its seed> --faults <its count> --per-run <its count>``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import re
@@ -127,9 +128,12 @@ class Host:
 class Network:
     """Three namespaces on one bridge (10.214.N.0/24, N from the pid): the nodes as hosts."""
 
+    _made = itertools.count()  # one set of names per run: a deleted namespace's veth lingers
+
     def __init__(self):
-        tag = os.getpid() % 100000
-        self.subnet = f"10.214.{os.getpid() % 250}"
+        n = next(Network._made)
+        tag = f"{os.getpid() % 1000}{n % 100}"
+        self.subnet = f"10.214.{(os.getpid() + n) % 250}"
         self.bridge = f"mrc{tag}b"
         self.gateway = f"{self.subnet}.1"  # the bridge's address: etcd listens there
         self.hosts = [Host(f"mrc{tag}n{i}", f"mrc{tag}g{i}", f"mrc{tag}h{i}",
@@ -440,7 +444,11 @@ def soak(seed: int, n_faults: int, steps: int, reference: dict[int, float], work
     run.tag = job.tag
     began = time.monotonic()
     try:
-        job.start()
+        try:
+            job.start()
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            run.broken.append(f"the harness could not start the job: {e}")
+            raise _Abort from None
         while not job.training():
             if time.monotonic() - began > deadline_s / 3 or job.finished():
                 run.broken.append("training never started")
