@@ -307,8 +307,13 @@ class TCPStoreBackend(Store):
 
     @staticmethod
     def _parse(raw: bytes) -> Versioned:
-        version, _, rest = raw.partition(b"|")
+        version, sep, rest = raw.partition(b"|")
         _, _, payload = rest.partition(b"|")
+        if not sep or not version.isdigit():
+            raise RendezvousError(
+                f"a rendezvous value in the c10d store is malformed ({raw[:40]!r}): another "
+                f"program is writing to the job's store; give the job its own --rdzv-id or "
+                f"endpoint")
         return Versioned(payload, int(version))
 
     # -- the contract ----------------------------------------------------------------------------

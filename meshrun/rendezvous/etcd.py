@@ -384,6 +384,8 @@ class EtcdStore(Store):
             answers within ``read_timeout``.
     """
 
+
+    outlives_agents = True  # the last node out deletes the job's keys
     def __init__(
         self,
         options: EtcdOptions,

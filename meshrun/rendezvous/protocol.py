@@ -611,7 +611,7 @@ class Rendezvous:
         """
         round = self.read_state()[0].round
         left = self.store.register(self._round_key(round, "left") + "/", self.me.node_id, b"1")
-        if not self.store.serves_others and left >= self._expected_leavers(round):
+        if self.store.outlives_agents and left >= self._expected_leavers(round):
             self.store.delete_prefix(self._prefix)
 
     def _expected_leavers(self, round: int) -> int:

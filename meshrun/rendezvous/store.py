@@ -72,10 +72,14 @@ class Store(abc.ABC):
 
     Every method may raise `meshrun.rendezvous.api.StoreLostError` when the store is gone.
     ``serves_others`` is True where this process hosts the store for other nodes (the c10d
-    host): it must keep serving until they have read the job's outcome.
+    host): it must keep serving until they have read the job's outcome. ``outlives_agents``
+    is True for a store that is not hosted by an agent (etcd): the job's last node out
+    deletes its keys there; elsewhere the store goes with its host, and a client deleting keys
+    the host may still be reading would only race it.
     """
 
     serves_others = False
+    outlives_agents = False
 
     @abc.abstractmethod
     def get(self, key: str) -> Versioned | None:
@@ -214,6 +218,8 @@ class MemoryStore(Store):
     calling thread's node, see `ops_by`), which the O(1)-per-node tests read.
     """
 
+
+    outlives_agents = True  # like etcd: shared by the nodes, hosted by none of them
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._data: dict[str, Versioned] = {}
         self._lock = threading.Condition()
@@ -322,6 +328,10 @@ class CountingStore(Store):
     @property
     def serves_others(self):
         return self.inner.serves_others
+
+    @property
+    def outlives_agents(self):
+        return self.inner.outlives_agents
 
     def liveness(self, node_id, dead_after):
         return _CountingLiveness(self, self.inner.liveness(node_id, dead_after))

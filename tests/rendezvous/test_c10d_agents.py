@@ -18,9 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support import free_port
 
 from meshrun.rendezvous.c10d import TCPStoreBackend
-from support import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 from etcd_fixtures import ETCD, SKIP_REASON
+from test_protocol import run_all
 
 from meshrun.rendezvous import MemoryStore, NodeDesc, Rendezvous, RendezvousSettings
-from test_protocol import run_all
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -323,3 +323,26 @@ def test_a_dead_node_rank_0_after_the_close_starts_a_new_round():
     assert info.round == 1 and [d.node_id for d in info.nodes] == ["a"]
     assert info.restart_count == 0
     a.close()
+
+
+class _HostedStore(MemoryStore):
+    """A store hosted by one of the agents (as c10d's): it goes with its host."""
+
+    outlives_agents = False
+
+
+@pytest.mark.parametrize(("store_cls", "deleted"), [(MemoryStore, True), (_HostedStore, False)])
+def test_only_a_store_that_outlives_the_agents_is_emptied_by_the_last_node_out(store_cls,
+                                                                               deleted):
+    """On etcd the last node out deletes the job's keys; on a store an agent hosts (c10d) a
+    client must not: the host may still be reading them (it waits for the others to leave),
+    and a deleted key read there crashed the host's agent."""
+    store, s = store_cls(), settings(2, 2)
+    a, b = make_node(store, s, "a"), make_node(store, s, "b")
+    run_all([a.next_round, b.next_round])
+    for n in (a, b):
+        n.leave()
+    left = [k for k in store._data if k.startswith("/meshrun/job/")]  # noqa: SLF001
+    assert (not left) == deleted, left
+    for n in (a, b):
+        n.close()
