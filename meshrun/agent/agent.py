@@ -520,8 +520,13 @@ class Agent:
             filtered_dir=attempt_dir,
             adopt_orphans=self._subreaper,
         )
+        self._watch = None
         if c.hang_timeout is not None:  # the files exist before any worker can beat
-            self._watch = ProgressWatch([s.log_dir for s in specs], c.hang_timeout)
+            try:
+                self._watch = ProgressWatch([s.log_dir for s in specs], c.hang_timeout)
+            except OSError as e:  # a full log disk: train on, unwatched (heartbeat copes)
+                say(f"hang detection off for round {info.round}: cannot write a progress "
+                    f"file ({e.strerror}: {e.filename}); is the log disk full?")
         self._group.start()
 
     def _spec(self, info: RendezvousInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:

@@ -458,3 +458,22 @@ def test_console_keeps_a_rank_s_traceback_in_one_block():
     assert bytes(out.data) == b"".join(b"A: " + p if p != b"boom\n" else p for p in tb) + (
         b"B: other 1\nB: other 2\n"
     )
+
+
+def test_log_disk_full_before_a_round_with_hang_detection_trains_on(launch, small_disk):
+    """The log disk is full before the workers start, with --hang-timeout: the progress files
+    cannot be written, so hang detection is off for that round (said in one line) and the job
+    runs to its end, exit 0; the agent never dies of ENOSPC (found by the chaos soak)."""
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    res = launch.run(["--nproc-per-node", "2", "--hang-timeout", "30", "--log-dir",
+                      str(small_disk), FLOOD, "10", "20"], timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "hang detection off for round 0" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
