@@ -505,6 +505,10 @@ def main() -> int:
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep every run's directory")
     args = p.parse_args()
+    # SIGTERM (and SIGINT, which a background shell ignores) ends the soak through the runs'
+    # finally blocks: no agent, namespace, tmpfs or etcd member of it is left behind
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     began = print_start()
     base = Path(tempfile.mkdtemp(prefix="meshrun-chaos-"))
     reference = reference_losses(base, args.steps)
