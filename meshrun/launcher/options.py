@@ -129,7 +129,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
               "progress for this long. Default: off."),
     # -- output -----------------------------------------------------------------------------
     _opt("log_dir", group=OUTPUT, metavar="DIR",
-         help="Where per-rank logs go (attempt_<round>/<rank>/). Default: a temporary "
+         help="Where per-rank logs go (<run id>/<host>_<agent pid>/attempt_<round>/<local rank>/). Default: a temporary "
               "directory, kept only if the job failed."),
     _opt("redirects", "-r", "--redirects", group=OUTPUT, default="0", metavar="STD",
          help="Send worker streams to the log files only: 0 none, 1 stdout, 2 stderr, "
