@@ -738,6 +738,11 @@ class EtcdLiveness(Liveness):
                 watch.close()
                 del self._watches[other]
         watch = self._watches.get(node_id)
+        if watch is not None and not watch.alive and watch.error is None:
+            # a watch that saw the key go is final, but the node may be back: one that paused
+            # past its TTL re-attaches under the same id (a cached verdict livelocked the job)
+            watch.close()
+            watch = None
         if watch is None:
             watch = _KeyWatch(self._gw, self._store.options, self._store.liveness_key(node_id))
             self._watches[node_id] = watch

@@ -102,6 +102,25 @@ def test_liveness_lease_expires_and_close_is_immediate(etcd_server):
         store.close()
 
 
+def test_a_node_that_paused_past_its_ttl_is_alive_again_once_it_beats(etcd_server):
+    """A node stopped (SIGSTOP, a long GC) past its TTL is seen dead; when it beats again it
+    re-attaches under the same id and must be seen alive again, not stay dead in every later
+    round (a cached verdict made a 3-agent etcd job restart every 0.6 s, forever)."""
+    store = store_at(etcd_server.endpoint)
+    try:
+        b, c = store.liveness("b", dead_after=2), store.liveness("c", dead_after=2)
+        b.beat()
+        assert c.is_alive("b")
+        deadline = time.monotonic() + 10  # b is silent: its lease expires within its TTL
+        while c.is_alive("b") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not c.is_alive("b")
+        b.beat()  # b is back (its own lease expired: it attaches again)
+        assert c.is_alive("b")
+    finally:
+        store.close()
+
+
 def test_wait_for_change_watches_instead_of_polling(etcd_server):
     store = store_at(etcd_server.endpoint)
     writer = store_at(etcd_server.endpoint)
