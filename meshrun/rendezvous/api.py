@@ -26,6 +26,20 @@ class StoreLostError(RendezvousError):
     """The rendezvous store stopped answering (its host died, or the network to it did)."""
 
 
+def decode_json(raw: bytes, what: str, make=lambda value: value):
+    """``make(json.loads(raw))`` for a value read from the store; anything malformed (not
+    JSON, missing or extra fields, wrong types) is one `RendezvousError` line naming ``what``
+    and the value's start, never a traceback: another program may write to the job's store."""
+    try:
+        return make(json.loads(raw))
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        raise RendezvousError(
+            f"a rendezvous value ({what}) is malformed: {bytes(raw)[:60]!r} ({e}); another "
+            f"program is writing to the job's store: give the job its own --rdzv-id, bind the "
+            f"store to a private address, or use etcd with auth"
+        ) from None
+
+
 class JobFinished(Exception):
     """The job already ended with success; a spare node that waited for room exits 0."""
 
@@ -61,7 +75,7 @@ class NodeDesc:
 
     @classmethod
     def from_json(cls, raw: bytes) -> NodeDesc:
-        return cls(**json.loads(raw))
+        return decode_json(raw, "a node", lambda d: cls(**d))
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ from meshrun.rendezvous.api import (
     RendezvousSettings,
     RendezvousTimeoutError,
     StoreLostError,
+    decode_json,
 )
 from meshrun.rendezvous.store import Store, Versioned
 
@@ -103,7 +104,7 @@ class JobState:
 
     @classmethod
     def from_json(cls, raw: bytes) -> JobState:
-        return cls(**json.loads(raw))
+        return decode_json(raw, "the job's state", lambda d: cls(**d))
 
 
 # -- pure decisions (table-tested with a fake clock in tests/rendezvous) ---------------------
@@ -309,7 +310,8 @@ class Rendezvous:
         state = known[0] if known is not None else JobState()
 
         def members(item: Versioned) -> tuple[list[NodeDesc], JobState]:
-            return [NodeDesc(**d) for d in json.loads(item.value)], state
+            return decode_json(item.value, "a round's members",
+                               lambda ds: [NodeDesc(**d) for d in ds]), state
 
         while True:
             if known is not None:
@@ -382,7 +384,7 @@ class Rendezvous:
             return
         closed = self.store.get(self._round_key(round, "closed"))
         if closed is not None:
-            self._heartbeat.watch(json.loads(closed.value)[0]["node_id"])
+            self._heartbeat.watch(decode_json(closed.value, "a round's members", lambda ds: ds[0]["node_id"]))
             self._watched_round = round
 
     def _try_close(self, target: int, count: int) -> None:
@@ -409,7 +411,11 @@ class Rendezvous:
             item = self._wait_for_master(target, members[0].node_id)
             if item is None:
                 return None
-            addr, _, port = item.value.decode().rpartition(":")
+            addr, _, port = item.value.decode(errors="replace").rpartition(":")
+            if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+                raise RendezvousError(
+                    f"a rendezvous value (the master address) is malformed: "
+                    f"{bytes(item.value)[:60]!r}; another program is writing to the job's store")
         self.me = replace(self.me, prev_rank=node_rank)
         self._joined = None
         self.info = RendezvousInfo(
@@ -513,7 +519,7 @@ class Rendezvous:
         stored, current = self.store.compare_and_set(key, 0, json.dumps(records).encode())
         if stored or current is None:
             return
-        known = json.loads(current.value)
+        known = decode_json(current.value, "the failure records")
         ranks = {r["global_rank"] for r in known}
         new = [r for r in records if r["global_rank"] not in ranks]
         if new:
@@ -527,7 +533,7 @@ class Rendezvous:
         member (a spare) only reads what is there.
         """
         closed = self.store.get(self._round_key(round, "closed"))
-        n = len(json.loads(closed.value)) if closed is not None else 0
+        n = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
         if self.info is not None and self.info.round == round:
             reported = self._round_key(round, "reported") + "/"
             if self.store.register(reported, self.me.node_id, b"1") >= n:
@@ -539,7 +545,7 @@ class Rendezvous:
         keys = [self._round_key(round, "failure", r) for r in range(n)]
         records: list[dict] = []
         for item in self._get_existing(keys):
-            records.extend(json.loads(item.value))
+            records.extend(decode_json(item.value, "a failure record"))
         return records
 
     def _get_existing(self, keys: list[str]) -> list:
@@ -617,7 +623,7 @@ class Rendezvous:
     def _expected_leavers(self, round: int) -> int:
         """Members of ``round`` plus the nodes waiting for the round after it."""
         closed = self.store.get(self._round_key(round, "closed"))
-        members = len(json.loads(closed.value)) if closed is not None else 0
+        members = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
         return members + self.store.count(self._nodes(round + 1))
 
     def wait_for_others_to_leave(self) -> None:

@@ -21,6 +21,7 @@ from meshrun.rendezvous import (
     RendezvousSettings,
     RendezvousTimeoutError,
 )
+from meshrun.rendezvous.api import RendezvousError
 from meshrun.rendezvous.store import CountingStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -344,5 +345,20 @@ def test_only_a_store_that_outlives_the_agents_is_emptied_by_the_last_node_out(s
         n.leave()
     left = [k for k in store._data if k.startswith("/meshrun/job/")]  # noqa: SLF001
     assert (not left) == deleted, left
+    for n in (a, b):
+        n.close()
+
+
+@pytest.mark.parametrize("garbage", [b"not json{", b'{"round": 0, "extra": 1}', b"[1, 2]"])
+def test_a_malformed_store_value_is_one_rendezvous_error_never_a_traceback(garbage):
+    """Another program writes to the job's store (no auth on TCPStore): what the agents read
+    back is checked; a bad value is a RendezvousError naming it (the agent: one line, exit 3),
+    never a ValueError or TypeError from deep in the protocol (found by a breaker)."""
+    store, s = MemoryStore(), settings(2, 2)
+    a, b = make_node(store, s, "a"), make_node(store, s, "b")
+    run_all([a.next_round, b.next_round])
+    assert store.compare_and_set("/meshrun/job/state", 0, garbage)[0]
+    with pytest.raises(RendezvousError, match="the job's state\\) is malformed"):
+        b.poll()
     for n in (a, b):
         n.close()
