@@ -130,15 +130,20 @@ def parse_int(value: str, minimum: int, maximum: int | None = None) -> int:
 _BYTE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
+MIN_LOG_BYTES, MAX_LOG_BYTES = 4096, 1024**4  # a rotation per line; 1 TiB per log file
+
+
 def parse_bytes(value: str) -> int:
-    """A size in bytes, >= 1: an integer, optionally followed by K, M or G (powers of 1024, so
-    ``64K`` = 65536); raises `ValueProblem` otherwise."""
-    fix = "give a number of bytes >= 1, e.g. 10000000 or 100M (K, M, G: powers of 1024)"
+    """A log size in bytes, 4 KiB to 1 TiB: an integer, optionally followed by K, M or G
+    (powers of 1024, so ``64K`` = 65536); raises `ValueProblem` otherwise. Below 4 KiB the
+    files would rotate on every line and the console fall behind the workers."""
+    fix = ("give a number of bytes between 4096 and 1024G, e.g. 10000000 or 100M (K, M, G: "
+           "powers of 1024)")
     m = re.fullmatch(r"(\d+)([KMG]?)", str(value).strip().upper())
     if m is None:
         raise ValueProblem("not a size in bytes", fix)
     n = int(m.group(1)) * _BYTE_UNITS[m.group(2)]
-    if n < 1:
+    if not MIN_LOG_BYTES <= n <= MAX_LOG_BYTES:
         raise ValueProblem(f"out of range (got {n})", fix)
     return n
 

@@ -329,9 +329,11 @@ def test_log_max_bytes_rotates_each_rank_s_files(launch, tmp_path):
         (["--log-max-bytes", "ten"], {}),
         (["--log-max-bytes", "1.5"], {}),
         (["--log-max-bytes", "-4"], {}),
+        (["--log-max-bytes", "1"], {}),
+        (["--log-max-bytes", "99999999999999G"], {}),
         ([], {"PET_LOG_MAX_BYTES": "lots"}),
     ],
-    ids=["zero", "word", "fraction", "negative", "env"],
+    ids=["zero", "word", "fraction", "negative", "one byte", "huge", "env"],
 )
 def test_bad_log_max_bytes_exits_2_with_one_line(launch, args, env):
     res = launch.run([*args, FLOOD, "1", "10"], env=env, timeout=30)
@@ -351,8 +353,8 @@ def test_log_max_bytes_spellings_env_and_config_file(tmp_path, monkeypatch):
     assert build_config(["--log-max-bytes", "4096", "t.py"], {}).log_max_bytes == 4096
     assert build_config(["--log_max_bytes", "64K", "t.py"], {}).log_max_bytes == 64 * 1024
     assert build_config(["t.py"], {"PET_LOG_MAX_BYTES": "2M"}).log_max_bytes == 2 * 1024**2
-    Path("job.toml").write_text("log_max_bytes = 1000\n")
-    assert build_config(["--config", "job.toml", "t.py"], {}).log_max_bytes == 1000
+    Path("job.toml").write_text("log_max_bytes = 8192\n")
+    assert build_config(["--config", "job.toml", "t.py"], {}).log_max_bytes == 8192
 
 
 # --- the pieces, in process --------------------------------------------------------------------
