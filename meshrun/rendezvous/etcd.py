@@ -435,13 +435,21 @@ class EtcdStore(Store):
         try:
             while not self._stop.wait(self.job_ttl / 3):
                 try:
-                    if self._keepalive(gw, self.job_lease) <= 0:
+                    if self._keepalive(gw, self.job_lease) <= 0 and self._lease_gone(gw):
                         self._lease_lost = True
                         return
                 except RendezvousError:
                     continue  # the store's own calls report a lost store
         finally:
             gw.close()
+
+    def _lease_gone(self, gw: _Gateway) -> bool:
+        """Whether the job lease really expired: a keep-alive that came back without a TTL
+        (an overloaded member's reply) is asked again with ``lease/timetolive``, which says
+        -1 only for a lease that no longer exists (one agent of a chaos soak under heavy load
+        gave up a job whose lease the others still kept)."""
+        result = gw.call("lease/timetolive", {"ID": str(self.job_lease)})
+        return int(result.get("TTL", -1)) <= 0 and "grantedTTL" not in result
 
     @staticmethod
     def _grant(gw: _Gateway, ttl: int) -> int:

@@ -121,6 +121,20 @@ def test_a_node_that_paused_past_its_ttl_is_alive_again_once_it_beats(etcd_serve
         store.close()
 
 
+def test_the_job_lease_is_given_up_only_when_etcd_says_it_is_gone(etcd_server):
+    """A keep-alive reply without a TTL is not enough to give up the job (an overloaded member
+    answered so during a chaos soak, and one agent left a job the others still ran): the
+    lease is asked about again, and only a lease etcd no longer has counts as lost."""
+    store = store_at(etcd_server.endpoint)
+    try:
+        gw = store._gw  # noqa: SLF001 - the store's own connection
+        assert not store._lease_gone(gw)  # noqa: SLF001
+        EtcdStore._revoke(gw, store.job_lease)  # noqa: SLF001
+        assert store._lease_gone(gw)  # noqa: SLF001
+    finally:
+        store.close()
+
+
 def test_wait_for_change_watches_instead_of_polling(etcd_server):
     store = store_at(etcd_server.endpoint)
     writer = store_at(etcd_server.endpoint)
