@@ -4,6 +4,8 @@ Every rank builds the same model, `ddp` averages the gradients over the ranks af
 backward, so every rank takes the same step on its own batch. Runs under torchrun as well.
 """
 
+import os
+
 import torch
 
 from meshrun.parallel import ddp, init
@@ -21,3 +23,5 @@ for step in range(1, 51):
     optimizer.step()
     if ctx.rank == 0 and step % 10 == 0:
         print(f"step {step} | loss {loss.item():.4f}", flush=True)
+torch.distributed.destroy_process_group()
+os._exit(0)  # torch 2.13 + gloo can abort (SIGABRT) in its C++ teardown after a clean finish

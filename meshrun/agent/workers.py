@@ -355,7 +355,7 @@ class WorkerGroup:
             for f in forwarders:
                 f.join(max(0.0, drain_deadline - time.monotonic()))
             for f in forwarders:
-                f.stop(timeout=1.0)
+                f.stop(timeout=3.0)  # what is in the pipe reaches the log file (a busy machine)
             for sink in self._sinks:
                 sink.close()
 
