@@ -92,18 +92,7 @@ def netns_pair():
             _ip("-n", h.ns, "link", "set", "lo", "up")
         yield pair
     finally:
-        for p in pair.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
-        for h in (a, b):
-            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+        _teardown(pair.procs, (a, b))
 
 
 @dataclass
@@ -146,15 +135,20 @@ def netns_trio():
             trio.outside[h.ns] = inside
         yield trio
     finally:
-        for p in trio.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
-        for h in (a, b, c):
-            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+        _teardown(trio.procs, (a, b, c))
+
+
+def _teardown(procs: list[subprocess.Popen], hosts) -> None:
+    """Kill what the test started in the namespaces (by process group), then delete them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+    for h in hosts:
+        subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
