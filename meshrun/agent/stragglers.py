@@ -1,0 +1,242 @@
+"""Straggler detection: the rank whose peers wait for it, from two counters per rank.
+
+The idea
+    In a synchronous job (DDP, FSDP, TP, PP) the collectives tie the ranks together, so every
+    rank's *step interval* is the same: the slowest rank sets it. What differs is how a step
+    is spent. A rank's **busy time** per step is its step interval minus the time it spent
+    blocked inside collectives; a healthy rank computes, then waits for the others, while a
+    straggler (a slow GPU, a throttled host, a noisy neighbour, a data loader that lags) is
+    busy nearly all the time and its peers wait for it. So the straggler is the rank whose busy
+    time stands out against the median of the other ranks' busy times. Step intervals alone
+    cannot find it (they are equal); waiting times alone are ambiguous when several ranks are
+    slow.
+
+    Large-scale training reports do the same kind of comparison: ByteDance's MegaScale (Jiang
+    et al., NSDI 2024) times each rank's computation and compares ranks to find the slow
+    machines that hold a whole job back; Meta's Llama 3 report (2024, "Training infrastructure")
+    describes tooling that finds stragglers among ranks stuck or slow in collectives. torch's
+    NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) records each rank's collectives for
+    the hang case; meshrun's hang report (`meshrun.agent.hang`) covers that one.
+
+The counters
+    Per local rank the agent samples, every monitor tick, ``heartbeats`` (a u64 the worker
+    increments once per training step: ``meshrun.parallel.heartbeat()``) and ``wait_ns`` (a
+    u64, total nanoseconds the rank has spent blocked inside meshrun's collectives).
+    `StepTimes` turns consecutive samples into per-step intervals and busy times, and keeps a
+    median over a window of steps (robust to a single slow step: a checkpoint, a GC pause).
+    Accuracy: a step is seen when a tick sees its heartbeat, so one interval is known to about
+    one monitor interval; when several steps pass between ticks their average is exact, and
+    the median over the window smooths the rest.
+
+Across nodes
+    Each agent publishes its ranks' `StepTime`s (`encode_step_times`), reads the others'
+    (`decode_step_times`, which validates what a store returned), and passes the union over
+    all global ranks to `Stragglers.check`. Every agent then reaches the same verdict; the
+    agent that owns the straggler (or node rank 0) is the one to say so.
+
+Pure logic: no I/O, no clock of its own (times are passed in, seconds, monotonic).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class StepTime(NamedTuple):
+    """One rank's recent steps: medians over `StepTimes`' window.
+
+    Attributes:
+        step_s: median step interval, seconds.
+        busy_s: median busy time per step (the interval less the time waiting in collectives),
+            seconds, in [0, step_s].
+        steps: the rank's heartbeat count at its latest sample (how far it has got).
+    """
+
+    step_s: float
+    busy_s: float
+    steps: int
+
+
+class StepTimes:
+    """Per-rank step intervals and busy times from sampled progress counters.
+
+    Args:
+        window: how many recent steps the medians are taken over (>= 1).
+
+    A rank's first sample (and a sample whose counters went back: a restarted worker) only
+    sets its baseline; a sample without a new heartbeat changes nothing (the interval runs
+    from the last sample that saw one). ``k`` heartbeats between two samples count as ``k``
+    steps of the average interval.
+    """
+
+    def __init__(self, window: int = 8):
+        if window < 1:
+            raise ValueError(f"StepTimes: window must be >= 1 (got {window})")
+        self.window = window
+        self._last: dict[int, tuple[int, int, float]] = {}  # rank -> heartbeats, wait_ns, now
+        self._steps: dict[int, deque[float]] = {}
+        self._busy: dict[int, deque[float]] = {}
+
+    def observe(self, rank: int, heartbeats: int, wait_ns: int, now: float) -> None:
+        """One sample of ``rank``'s counters at ``now`` (monotonic seconds)."""
+        last = self._last.get(rank)
+        if last is None or heartbeats < last[0] or wait_ns < last[1] or now < last[2]:
+            self._last[rank] = (heartbeats, wait_ns, now)
+            self._steps[rank] = deque(maxlen=self.window)
+            self._busy[rank] = deque(maxlen=self.window)
+            return
+        beats = heartbeats - last[0]
+        if beats == 0:
+            return
+        interval = (now - last[2]) / beats
+        busy = max(0.0, (now - last[2]) - (wait_ns - last[1]) / 1e9) / beats
+        for _ in range(min(beats, self.window)):
+            self._steps[rank].append(interval)
+            self._busy[rank].append(min(busy, interval))
+        self._last[rank] = (heartbeats, wait_ns, now)
+
+    def forget(self, rank: int | None = None) -> None:
+        """Drop ``rank``'s history (None: every rank's), e.g. when a new round starts."""
+        ranks = list(self._last) if rank is None else [rank]
+        for r in ranks:
+            self._last.pop(r, None)
+            self._steps.pop(r, None)
+            self._busy.pop(r, None)
+
+    def step_times(self) -> dict[int, StepTime]:
+        """Rank -> `StepTime`, for the ranks with at least one step measured."""
+        return {
+            r: StepTime(statistics.median(s), statistics.median(self._busy[r]), self._last[r][0])
+            for r, s in self._steps.items()
+            if s
+        }
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank whose busy time per step stood out for ``steps`` steps.
+
+    Attributes:
+        rank: global rank.
+        step_s: its median step interval, seconds (about everyone's: they wait for it).
+        busy_s: its median busy time per step, seconds.
+        median_s: the median of the other ranks' busy times per step, seconds.
+        steps: for how many consecutive steps it has been slow.
+    """
+
+    rank: int
+    step_s: float
+    busy_s: float
+    median_s: float
+    steps: int
+
+    def describe(self) -> str:
+        """One line, e.g. ``rank 3 is a straggler: busy 120.0 ms of each 150.0 ms step, the
+        other ranks' median 30.0 ms, for 6 steps; the others wait for it``."""
+        return (
+            f"rank {self.rank} is a straggler: busy {self.busy_s * 1e3:.1f} ms of each "
+            f"{self.step_s * 1e3:.1f} ms step, the other ranks' median "
+            f"{self.median_s * 1e3:.1f} ms, for {self.steps} steps; the others wait for it"
+        )
+
+
+class Stragglers:
+    """Says which ranks are stragglers, once each, from successive `StepTime` snapshots.
+
+    A rank is *slow* in a snapshot when its busy time exceeds ``factor`` times the median busy
+    time of the other ranks, and by more than ``min_busy_s`` (tiny steps are noise). A rank
+    slow for ``min_steps`` consecutive steps (counted by its heartbeats, from the first
+    snapshot that found it slow) is reported once; it is reported again only after a snapshot
+    found it not slow (it recovered) and it has been slow for ``min_steps`` steps anew.
+
+    Args:
+        factor: how many times the others' median busy time counts as slow (> 1).
+        min_steps: consecutive slow steps before a rank is reported (>= 1).
+        min_busy_s: the least excess busy time over the median that counts, seconds.
+    """
+
+    def __init__(self, factor: float = 1.5, min_steps: int = 5, min_busy_s: float = 0.005):
+        if not factor > 1.0:
+            raise ValueError(f"Stragglers: factor must be > 1 (got {factor})")
+        if min_steps < 1:
+            raise ValueError(f"Stragglers: min_steps must be >= 1 (got {min_steps})")
+        self.factor = factor
+        self.min_steps = min_steps
+        self.min_busy_s = min_busy_s
+        self._slow_since: dict[int, int] = {}  # rank -> heartbeat count when first seen slow
+        self._reported: set[int] = set()
+
+    def check(self, step_times: Mapping[int, StepTime]) -> list[Straggler]:
+        """The ranks to report now (newly slow for ``min_steps`` steps), by rank.
+
+        Args:
+            step_times: global rank -> `StepTime`, over every rank of the job (or of the
+                node, for a node-local check). Needs two ranks or more; ranks missing from
+                it are forgotten.
+        """
+        for rank in set(self._slow_since) - set(step_times):
+            del self._slow_since[rank]
+        self._reported &= set(step_times)
+        found = []
+        for rank, st in sorted(step_times.items()):
+            others = [o.busy_s for r, o in step_times.items() if r != rank]
+            if not others:
+                continue
+            median = statistics.median(others)
+            slow = st.busy_s > self.factor * median and st.busy_s - median > self.min_busy_s
+            if not slow:
+                self._slow_since.pop(rank, None)
+                self._reported.discard(rank)
+                continue
+            since = self._slow_since.setdefault(rank, st.steps)
+            steps = st.steps - since + 1
+            if steps >= self.min_steps and rank not in self._reported:
+                self._reported.add(rank)
+                found.append(Straggler(rank, st.step_s, st.busy_s, median, steps))
+        return found
+
+    def reset(self) -> None:
+        """Forget every rank (a new round: ranks are renumbered, workers restarted)."""
+        self._slow_since.clear()
+        self._reported.clear()
+
+
+def encode_step_times(step_times: Mapping[int, StepTime]) -> str:
+    """``step_times`` as JSON for the store: ``{"<rank>": [step_s, busy_s, steps], ...}``."""
+    return json.dumps({str(r): [st.step_s, st.busy_s, st.steps] for r, st in step_times.items()})
+
+
+def decode_step_times(text: str | bytes) -> dict[int, StepTime]:
+    """The inverse of `encode_step_times`, validated (a value read from a store).
+
+    Raises:
+        ValueError: not that JSON shape, a negative rank or count, or a time that is negative,
+            not finite, or a busy time above its step time.
+    """
+    try:
+        raw = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"step times: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("step times: expected an object of rank -> [step_s, busy_s, steps]")
+    out = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ValueError(f"step times: bad rank {key!r}")
+        if not (isinstance(value, list) and len(value) == 3):
+            raise ValueError(f"step times: rank {key}: expected [step_s, busy_s, steps]")
+        step_s, busy_s, steps = value
+        times_ok = all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+            for x in (step_s, busy_s)
+        )
+        if not times_ok or busy_s > step_s or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"step times: rank {key}: bad value {value!r}")
+        out[int(key)] = StepTime(float(step_s), float(busy_s), steps)
+    return out

@@ -1,0 +1,152 @@
+"""`StepTimes` and `Stragglers`: busy time per step, and the rank its peers wait for."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshrun.agent.stragglers import (
+    StepTime,
+    StepTimes,
+    Stragglers,
+    decode_step_times,
+    encode_step_times,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Job:
+    """A synchronous job: every step lasts as long as the slowest rank's compute; the others
+    wait for it inside collectives. ``busy(rank, step)`` -> seconds of compute."""
+
+    def __init__(self, ranks: int, busy, window: int = 8):
+        self.ranks, self.busy = ranks, busy
+        self.times = StepTimes(window)
+        self.now, self.step = 100.0, 0
+        self.wait_ns = [0] * ranks
+        for r in range(ranks):
+            self.times.observe(r, 0, 0, self.now)  # the baseline
+
+    def run_step(self) -> dict[int, StepTime]:
+        busy = [self.busy(r, self.step) for r in range(self.ranks)]
+        interval = max(busy)
+        self.now += interval
+        self.step += 1
+        for r in range(self.ranks):
+            self.wait_ns[r] += round((interval - busy[r]) * 1e9)
+            self.times.observe(r, self.step, self.wait_ns[r], self.now)
+        return self.times.step_times()
+
+
+def test_step_and_busy_time_from_counters():
+    times = StepTimes(window=4)
+    times.observe(0, 0, 0, 10.0)
+    assert times.step_times() == {}  # a baseline only
+    times.observe(0, 0, 0, 10.05)  # no heartbeat: nothing
+    times.observe(0, 2, 60_000_000, 10.2)  # two steps of 0.1 s, 30 ms waiting in each
+    (st,) = times.step_times().values()
+    assert st.step_s == pytest.approx(0.1) and st.busy_s == pytest.approx(0.07)
+    assert st.steps == 2
+    times.observe(0, 1, 0, 11.0)  # counters went back (a new worker): a new baseline
+    assert times.step_times() == {}
+
+
+def test_median_shrugs_off_one_slow_step():
+    times = StepTimes(window=5)
+    times.observe(0, 0, 0, 0.0)
+    now = 0.0
+    for step, dt in enumerate([0.1, 0.1, 2.0, 0.1, 0.1], start=1):  # a checkpoint at step 3
+        now += dt
+        times.observe(0, step, 0, now)
+    assert times.step_times()[0].step_s == pytest.approx(0.1)
+
+
+def test_a_rank_with_constant_extra_busy_time_is_flagged_after_min_steps():
+    job = Job(4, lambda r, s: 0.02 + (0.05 if r == 2 else 0.0))
+    detect = Stragglers(factor=1.5, min_steps=5)
+    flagged_at = []
+    for _ in range(20):
+        for s in detect.check(job.run_step()):
+            flagged_at.append((job.step, s))
+    ((step, straggler),) = flagged_at
+    assert step == 5 and straggler.rank == 2 and straggler.steps == 5
+    assert straggler.step_s == pytest.approx(0.07)
+    assert straggler.busy_s == pytest.approx(0.07)
+    assert straggler.median_s == pytest.approx(0.02)
+    assert "rank 2 is a straggler" in straggler.describe() and "70.0 ms" in straggler.describe()
+
+
+def test_equal_ranks_are_never_flagged():
+    rng = random.Random(0)
+    job = Job(8, lambda r, s: 0.05 * (1 + 0.05 * rng.random()))
+    detect = Stragglers()
+    assert not any(detect.check(job.run_step()) for _ in range(50))
+
+
+def test_noise_within_the_factor_is_not_flagged():
+    rng = random.Random(1)
+    # rank 0 is 30 % slower, with noise: under 1.5 x the others' median
+    job = Job(4, lambda r, s: 0.04 * (1.3 if r == 0 else 1.0) * (1 + 0.1 * rng.random()))
+    detect = Stragglers(factor=1.5)
+    assert not any(detect.check(job.run_step()) for _ in range(50))
+
+
+def test_tiny_steps_need_a_real_excess():
+    job = Job(2, lambda r, s: 0.003 if r == 1 else 0.0005)  # 6 x, but only 2.5 ms more
+    detect = Stragglers(min_busy_s=0.005)
+    assert not any(detect.check(job.run_step()) for _ in range(30))
+
+
+def test_a_slow_rank_that_recovers_is_flagged_once_then_again_only_after_recovering():
+    slow_steps = set(range(0, 15)) | set(range(40, 55))
+    job = Job(3, lambda r, s: 0.08 if r == 1 and s in slow_steps else 0.02, window=4)
+    detect = Stragglers(min_steps=5)
+    flagged = []
+    for _ in range(70):
+        flagged += [(job.step, s.rank) for s in detect.check(job.run_step())]
+    assert [rank for _, rank in flagged] == [1, 1]  # once per slow spell
+    first, second = (step for step, _ in flagged)
+    assert 5 <= first <= 8 and 45 <= second <= 48
+
+
+def test_across_nodes_and_through_the_store():
+    node_a = {0: StepTime(0.1, 0.02, 9), 1: StepTime(0.1, 0.03, 9)}
+    node_b = {2: StepTime(0.1, 0.09, 9), 3: StepTime(0.1, 0.02, 9)}
+    merged = decode_step_times(encode_step_times(node_a)) | decode_step_times(
+        encode_step_times(node_b)
+    )
+    assert merged == node_a | node_b
+    detect = Stragglers(min_steps=1)
+    assert [s.rank for s in detect.check(merged)] == [2]
+    assert detect.check(merged) == []  # once
+    detect.reset()  # a new round
+    assert [s.rank for s in detect.check(merged)] == [2]
+
+
+def test_a_rank_that_is_not_reported_is_forgotten():
+    detect = Stragglers(min_steps=3)
+    slow = {0: StepTime(0.1, 0.02, 1), 1: StepTime(0.1, 0.09, 1)}
+    detect.check(slow)
+    detect.check({0: StepTime(0.1, 0.02, 2)})  # rank 1 missing: its streak ends
+    assert detect.check({0: StepTime(0.1, 0.02, 3), 1: StepTime(0.1, 0.09, 3)}) == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["nope", "[]", '{"x": [1, 0, 1]}', '{"0": [1, 0]}', '{"0": [0.1, 0.2, 1]}',
+     '{"0": [-1, 0, 1]}', '{"0": [1, 0, -1]}', '{"0": ["1", 0, 1]}', '{"0": [NaN, 0, 1]}'],
+)  # fmt: skip
+def test_bad_store_values_are_refused(text):
+    with pytest.raises(ValueError, match="step times"):
+        decode_step_times(text)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        StepTimes(window=0)
+    with pytest.raises(ValueError):
+        Stragglers(factor=1.0)
+    with pytest.raises(ValueError):
+        Stragglers(min_steps=0)
