@@ -9,6 +9,9 @@ and the nodes waiting to join the next round. It only reads: on etcd it joins no
 looking never keeps a finished job's keys alive; on c10d it connects as a client of the
 agent-hosted store (``is_host=False``).
 
+A job started with a shared secret (``--rdzv-conf secret_file=PATH`` or
+``MESHRUN_RDZV_SECRET``) is read with the same secret: values that fail its check are ignored.
+
 Exit codes: 0 printed; 1 no such job (``no job <id> at <endpoint>``); 2 usage; 3 the store
 cannot be reached or refused us. torch is imported for c10d only (TCPStore), never for etcd.
 """
@@ -40,7 +43,9 @@ STATUS_READ_TIMEOUT = 5.0  # seconds, unless --rdzv-conf read_timeout= says othe
               help="The etcd member(s), comma-separated, or the c10d store's HOST:PORT.")
 @click.option("--rdzv-id", "--rdzv_id", "run_id", required=True, help="The job's --rdzv-id.")
 @click.option("--rdzv-conf", "--rdzv_conf", "conf_text", default="",
-              help="read_timeout=SECONDS, and for etcd cacert/cert/key/user/password.")  # fmt: skip
+              help="read_timeout=SECONDS; secret_file=PATH (or MESHRUN_RDZV_SECRET) for a job "
+                   "with a shared secret; for etcd cacert/cert/key/user/password_file "
+                   "(or MESHRUN_ETCD_PASSWORD)/insecure.")  # fmt: skip
 def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
     from meshrun.rendezvous import RendezvousError, settings_from_conf
 
@@ -58,9 +63,17 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
         raise ConfigError(str(e)) from None
     if "read_timeout" not in conf:
         settings = replace(settings, read_timeout=STATUS_READ_TIMEOUT)
+    from meshrun.rendezvous.auth import AuthenticatedStore, load_secret
+
+    try:
+        secret = load_secret(settings.extra)  # the job's shared secret, when it has one
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     prefix = f"/meshrun/{run_id}/"
     try:
         store = _open(backend, endpoint, settings)
+        if secret is not None:
+            store = AuthenticatedStore(store, secret, run_id)
         try:
             lines = describe(store, prefix, backend, settings.keep_alive_interval)
         finally:

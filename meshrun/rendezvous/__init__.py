@@ -56,12 +56,32 @@ def open_store(
     MASTER_ADDR:MASTER_PORT and node rank 0 hosts the store. A job with one node (MAX = 1)
     gets an in-process store: nothing is listening, nothing can collide.
 
+    With a shared secret (``--rdzv-conf secret_file=PATH`` or ``MESHRUN_RDZV_SECRET``), the
+    store returned is an `meshrun.rendezvous.auth.AuthenticatedStore` around the backend's:
+    every value is sealed with HMAC-SHA256 and checked on every read.
+
     Raises:
-        RendezvousError: the store cannot be hosted or reached (exit 3).
+        RendezvousError: the store cannot be hosted or reached, or the secret file cannot be
+            read any more (exit 3).
         ValueError: a malformed endpoint or an unknown backend (a usage error, exit 2).
     """
     if settings.max_nodes == 1:
-        return MemoryStore(), "127.0.0.1"
+        return MemoryStore(), "127.0.0.1"  # in-process: nobody else can reach it
+    from meshrun.rendezvous.auth import AuthenticatedStore, load_secret
+
+    try:
+        secret = load_secret(settings.extra)  # checked at startup (check_endpoint); read again
+    except ValueError as e:
+        raise RendezvousError(str(e)) from None
+    store, addr = _open_backend(backend, endpoint, settings, node_rank)
+    if secret is not None:
+        store = AuthenticatedStore(store, secret, settings.run_id)
+    return store, addr
+
+
+def _open_backend(
+    backend: str, endpoint: str, settings: RendezvousSettings, node_rank: int | None
+) -> tuple[Store, str]:
     from meshrun.rendezvous import c10d
 
     # The store an agent hosts listens on the endpoint's address only (§3.7), unless asked.
@@ -104,8 +124,12 @@ def check_endpoint(backend: str, endpoint: str, settings: RendezvousSettings) ->
     """Check the endpoint and backend options without connecting (a usage error, exit 2).
 
     Raises:
-        ValueError: a malformed endpoint, or backend options that cannot work together.
+        ValueError: a malformed endpoint, backend options that cannot work together, or a
+            shared secret that cannot be used (`meshrun.rendezvous.auth.load_secret`).
     """
+    from meshrun.rendezvous.auth import load_secret
+
+    load_secret(settings.extra)
     if settings.max_nodes == 1 and backend != "etcd":
         return
     _parse_bool(settings.extra.get("bind_all"), "bind_all")

@@ -148,7 +148,8 @@ class RendezvousSettings:
 
 
 # The --rdzv-conf keys the protocol reads, with their types. Backend-specific keys (is_host,
-# TLS files, user/password; bind_all: the stores an agent hosts listen on every interface,
+# TLS files, user/password/password_file/insecure; secret_file: the shared secret that seals
+# every rendezvous value, `meshrun.rendezvous.auth`; bind_all: the stores an agent hosts listen on every interface,
 # not only the endpoint's / advertised address) are passed through ``RendezvousSettings.extra``.
 CONF_KEYS: dict[str, type] = {
     "join_timeout": float,
@@ -159,8 +160,9 @@ CONF_KEYS: dict[str, type] = {
     "read_timeout": float,
 }
 BACKEND_CONF_KEYS = frozenset(
-    {"is_host", "bind_all", "cacert", "cert", "key", "user", "password", "protocol", "store_type"}
-)
+    {"is_host", "bind_all", "cacert", "cert", "key", "user", "password", "password_file",
+     "insecure", "protocol", "store_type", "secret_file"}
+)  # fmt: skip
 
 
 def settings_from_conf(
@@ -188,6 +190,10 @@ def settings_from_conf(
             values[key] = value
         elif key in BACKEND_CONF_KEYS:
             extra[key] = raw
+        elif key == "secret":  # never a value on the command line (ps): one line naming the fix
+            from meshrun.rendezvous.auth import load_secret
+
+            load_secret({key: raw})
         else:
             known = ", ".join(sorted([*CONF_KEYS, *BACKEND_CONF_KEYS]))
             raise ValueError(f"--rdzv-conf {key}={raw}: unknown key (known keys: {known})")

@@ -31,7 +31,7 @@ import uuid
 from datetime import timedelta
 
 from meshrun.rendezvous.api import RendezvousError, StoreLostError
-from meshrun.rendezvous.store import CounterLiveness, Liveness, Store, Versioned
+from meshrun.rendezvous.store import CounterLiveness, Liveness, Store, Versioned, parse_position
 
 DEFAULT_PORT = 29400
 
@@ -360,7 +360,7 @@ class TCPStoreBackend(Store):
     def register(self, prefix: str, name: str, value: bytes) -> int:
         id_key = f"{prefix}id/{name}"
         if self._call(self._store.check, [id_key]):
-            return int(self._call(self._store.get, id_key))
+            return parse_position(self._call(self._store.get, id_key), prefix)
         position = int(self._call(self._store.add, prefix + "n", 1))
         self._call(
             self._store.multi_set,

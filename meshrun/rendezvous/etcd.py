@@ -46,8 +46,10 @@ Endpoints are ``host[:port]`` (default port 2379), comma-separated for a cluster
 that cannot reach a member goes to the next one, and the store keeps the one that works. Only
 when no member answers for ``read_timeout`` seconds is the store lost (`StoreLostError`,
 exit 3). ``--rdzv-conf`` keys: ``cacert``, ``cert``, ``key`` (TLS; https is used when any is
-given, or with ``protocol=https``), ``user`` and ``password``. A refused password or certificate
-is a `RendezvousError` of one line.
+given, or with ``protocol=https``), ``user`` and the password: ``password_file=PATH``, the
+variable ``MESHRUN_ETCD_PASSWORD``, or ``password=`` (torchrun's key; on the command line ``ps``
+shows it). user/password over plain http is refused unless ``insecure=true``. A refused
+password or certificate is a `RendezvousError` of one line.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from meshrun.rendezvous.store import Liveness, Store, Versioned
 
 DEFAULT_PORT = 2379
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops: more operations in one transaction fail
+PASSWORD_ENV = "MESHRUN_ETCD_PASSWORD"  # the etcd password, when neither password= nor a file
 MIN_TTL = 2  # seconds; etcd's own minimum is 1.5 x its election timeout, rounded up
 
 # etcd error messages (gRPC status messages, passed through the gateway) that mean "this
@@ -148,22 +151,63 @@ class EtcdOptions:
             raise ValueError(f"--rdzv-conf protocol={protocol}: expected http or https")
         if bool(conf.get("cert")) != bool(conf.get("key")):
             raise ValueError("--rdzv-conf cert and key: give both (a client certificate and its key)")
-        if conf.get("password") and not conf.get("user"):
+        if conf.get("password") and conf.get("password_file"):
+            raise ValueError("--rdzv-conf password=*** and password_file: give one of them")
+        password = conf.get("password")
+        if conf.get("password_file"):
+            password = _read_password_file(conf["password_file"])
+        elif not password and os.environ.get(PASSWORD_ENV):
+            password = os.environ[PASSWORD_ENV]
+        if password and not conf.get("user"):
             raise ValueError("--rdzv-conf password: give user= too")
+        protocol = protocol or ("https" if tls else "http")
+        insecure = conf.get("insecure", "").strip().lower()
+        if insecure not in ("", "1", "true", "yes", "y", "on", "0", "false", "no", "n", "off"):
+            raise ValueError(f"--rdzv-conf insecure={conf['insecure']}: expected true or false")
+        if conf.get("user") and protocol == "http" and insecure not in ("1", "true", "yes", "y", "on"):
+            raise ValueError(
+                "--rdzv-conf user=...: etcd user/password auth over plain http sends the "
+                "password and the token unencrypted; give etcd TLS (cacert=PATH, or "
+                "protocol=https), or insecure=true to send them in the clear anyway"
+            )
         return cls(
             endpoints=tuple(parse_endpoints(endpoint)),
-            protocol=protocol or ("https" if tls else "http"),
+            protocol=protocol,
             cacert=conf.get("cacert") or None,
             cert=conf.get("cert") or None,
             key=conf.get("key") or None,
             user=conf.get("user") or None,
-            password=conf.get("password"),
+            password=password,
             read_timeout=read_timeout,
         )
+
+    def __repr__(self) -> str:  # the password is never shown
+        return f"EtcdOptions({self.describe()}, user={self.user!r})"
 
     def describe(self) -> str:
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
         return f"etcd at {self.protocol}://{hosts}"
+
+
+def _read_password_file(path: str) -> str:
+    """The etcd password in ``path`` (``--rdzv-conf password_file=PATH``), stripped.
+
+    Raises:
+        ValueError: missing, unreadable, not a regular file, or empty; one line.
+    """
+    where = f"--rdzv-conf password_file={path}"
+    try:
+        with open(path, "rb") as f:
+            if not os.path.isfile(path):
+                raise ValueError(f"{where}: not a regular file")
+            text = f.read(64 * 1024).strip()
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read it: {e.strerror or e}") from None
+    if not text:
+        raise ValueError(f"{where}: the file is empty")
+    return text.decode(errors="replace")
 
 
 class _Gateway:

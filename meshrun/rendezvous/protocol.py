@@ -350,7 +350,9 @@ class Rendezvous:
                 # One node closes the round (it reads the joiners: O(N)); the others wait for it,
                 # and step in only when it has not closed within dead_after (it may have died).
                 if self._is_closer(joined, count) or (step_in_at is not None and now >= step_in_at):
-                    self._try_close(target, count)
+                    if not self._try_close(target, count, joined, last_call_at):
+                        # counted entries that fail the secret's check: wait for real joiners
+                        self.store.wait_for_change(closed_key, 0, s.keep_alive_interval)
                     continue
                 step_in_at = step_in_at or now + s.dead_after
                 closed = self.store.wait_for_change(closed_key, 0, max(0.0, step_in_at - now))
@@ -387,14 +389,35 @@ class Rendezvous:
             self._heartbeat.watch(decode_json(closed.value, "a round's members", lambda ds: ds[0]["node_id"]))
             self._watched_round = round
 
-    def _try_close(self, target: int, count: int) -> None:
-        """Close round ``target`` with the first ``count`` joiners (one compare-and-set)."""
-        joiners = self.store.entries(self._nodes(target), count, self.settings.read_timeout)
+    def _try_close(
+        self, target: int, count: int, joined: int, last_call_at: float | None
+    ) -> bool:
+        """Close round ``target`` with the first ``count`` joiners (one compare-and-set).
+
+        With a shared secret the store returns only authentic entries, so a count that a
+        program without the secret moved (positions drawn for forged entries) can leave fewer
+        than ``count``: then the entries after them are read too (up to ``joined``), and the
+        round closes with the authentic ones only when they alone decide it (`close_decision`).
+        Returns False when they do not yet (nothing written).
+        """
+        s = self.settings
+        prefix = self._nodes(target)
+        joiners = self.store.entries(prefix, count, s.read_timeout)
+        if len(joiners) < count:
+            if joined > count:
+                joiners = self.store.entries(prefix, joined, s.read_timeout)
+            count = close_decision(
+                len(joiners), s.min_nodes, s.max_nodes, self._clock(), last_call_at
+            )
+            if not count:
+                return False
+            joiners = joiners[:count]
         members = assign_node_ranks([NodeDesc.from_json(raw) for raw in joiners])
         payload = json.dumps([asdict(m) for m in members]).encode()
         self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
         if self.settings.min_nodes == self.settings.max_nodes:  # wakes those who wait for it
             self.store.set_once(self._round_key(target, "quorum"), b"1")
+        return True
 
     def _complete(
         self, target: int, members: list[NodeDesc], state: JobState
@@ -564,7 +587,7 @@ class Rendezvous:
         self.store.set_once(self._round_key(info.round, "succeeded", self.me.node_id), b"1")
         done = self.store.register(self._round_key(info.round, "done") + "/", self.me.node_id, b"1")
         alldone = self._round_key(info.round, "alldone")
-        if done >= info.num_nodes:
+        if done >= info.num_nodes and self._all_succeeded():
             self._finish_job()
             return None
         while True:
@@ -581,6 +604,21 @@ class Rendezvous:
             if lost is not None:
                 reason = self.request_restart(f"node {lost} lost", failure=False)
                 return None if self.read_state()[0].status == SUCCEEDED else reason
+
+    def _all_succeeded(self) -> bool:
+        """Whether every member of this round wrote its ``succeeded`` key: the count of the
+        exit barrier (a counter) could have been moved by another program; these keys are
+        values, sealed with the job's secret where there is one. One multi-get, on the node
+        that counted last, once per job."""
+        info = self.info
+        keys = [self._round_key(info.round, "succeeded", m.node_id) for m in info.nodes]
+        if all(item is not None for item in self.store.get_many(keys)):
+            return True
+        log.warning(
+            "meshrun: the exit barrier counts every member as done, but not every member's "
+            "workers succeeded: another program moved the count; waiting for the members"
+        )
+        return False
 
     def _lost_member(self) -> str | None:
         """The lost neighbour of this running round, unless its workers had all succeeded (it

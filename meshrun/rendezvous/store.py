@@ -128,7 +128,7 @@ class Store(abc.ABC):
         """
         known = self.get(f"{prefix}id/{name}")
         if known is not None:
-            return int(known.value)
+            return parse_position(known.value, prefix)
         position = self.add(prefix + "n", 1)
         self.set_once(f"{prefix}at/{position}", value)
         self.set_once(f"{prefix}id/{name}", str(position).encode())
@@ -168,6 +168,21 @@ class Store(abc.ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release connections (a hosted store also stops serving)."""
+
+
+def parse_position(raw: bytes, prefix: str) -> int:
+    """A register position read back from the store (an entry's ``id`` key).
+
+    Raises:
+        RendezvousError: not a number (another program wrote it), one line.
+    """
+    text = bytes(raw).strip()
+    if not text.isdigit():
+        raise RendezvousError(
+            f"a rendezvous value (a position in {prefix}) is malformed: {bytes(raw)[:40]!r}; "
+            "another program is writing to the job's store"
+        )
+    return int(text)
 
 
 class CounterLiveness(Liveness):

@@ -201,13 +201,13 @@ def test_tls_with_a_throwaway_ca_and_a_wrong_ca(tmp_path, etcd_job):
 
 def test_auth_right_password_works_wrong_one_exits_3(etcd_server, etcd_job):
     etcd_server.enable_auth("meshrun", "s3cret")
-    job = etcd_job(etcd_server, "1:2", conf="user=meshrun,password=s3cret")
+    job = etcd_job(etcd_server, "1:2", conf="user=meshrun,password=s3cret,insecure=true")
     job.node()
     job.wait_records(in_round(0, 1))
     assert job.finish() == [0], job.logs()
     token = etcd_server.post("auth/authenticate", {"name": "root", "password": "s3cret"})["token"]
     assert etcd_server.keys(PREFIX, token=token) == []
-    bad = etcd_job(etcd_server, "1:2", conf="user=meshrun,password=wrong")
+    bad = etcd_job(etcd_server, "1:2", conf="user=meshrun,password=wrong,insecure=true")
     node = bad.node()
     assert node.wait(30) == 3, bad.logs()
     lines = [line for line in bad.logs().splitlines()[1:] if line.strip()]

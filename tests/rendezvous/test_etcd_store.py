@@ -187,7 +187,7 @@ def test_store_lost_when_etcd_dies(etcd_server):
 
 def test_auth_token_reauthenticated_and_wrong_password_refused(etcd_server):
     etcd_server.enable_auth("meshrun", "s3cret")
-    store = store_at(etcd_server.endpoint, user="meshrun", password="s3cret")
+    store = store_at(etcd_server.endpoint, user="meshrun", password="s3cret", insecure="true")
     try:
         store.set_once("/meshrun/t/k", b"v")
         store._gw.session.headers["Authorization"] = "stale.token"  # as after a token expiry
@@ -195,7 +195,7 @@ def test_auth_token_reauthenticated_and_wrong_password_refused(etcd_server):
     finally:
         store.close()
     with pytest.raises(RendezvousError, match="wrong user name or password") as info:
-        store_at(etcd_server.endpoint, user="meshrun", password="nope")
+        store_at(etcd_server.endpoint, user="meshrun", password="nope", insecure="true")
     assert not isinstance(info.value, StoreLostError)
     with pytest.raises(RendezvousError, match="requires authentication"):
         store_at(etcd_server.endpoint)
