@@ -17,7 +17,7 @@ kind           fields
 agent_start    node (node id), nproc, run_id
 round_start    round, node_rank, num_nodes, world_size, rank_offset, local_world_size,
                restart_count
-worker_start   round, rank, local_rank, pid
+worker_start   round, rank, local_rank, worker_pid (``pid`` is the agent's, on every line)
 worker_exit    round, rank, local_rank, exitcode (int; None when killed by a signal), signal
                (name, e.g. "SIGKILL", when killed by one), stopped (true when the agent stopped
                it: the group ended for another reason)

@@ -7,7 +7,7 @@ script called ``status`` still runs). A subcommand is a `click.Command`; registe
     from meshrun.launcher.status import status   # a click.Command
     SUBCOMMANDS["status"] = status
 
-Registered: ``status`` (`meshrun.launcher.status`).
+Registered: ``status`` (`meshrun.launcher.status`), ``timeline`` (`meshrun.launcher.timeline`).
 """
 
 from __future__ import annotations
@@ -15,5 +15,6 @@ from __future__ import annotations
 import click
 
 from meshrun.launcher.status import status
+from meshrun.launcher.timeline import timeline
 
-SUBCOMMANDS: dict[str, click.Command] = {"status": status}
+SUBCOMMANDS: dict[str, click.Command] = {"status": status, "timeline": timeline}
