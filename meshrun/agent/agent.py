@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
-from meshrun.agent.errors import WorkerFailure, format_report, root_cause
-from meshrun.agent.hang import Hang, ProgressWatch, collect_stack, progress_env, stuck_at
+from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
+from meshrun.agent.hang import Hang, ProgressWatch, progress_env
 from meshrun.agent.logs import UnsafeLogDir, make_private_dir
 from meshrun.agent.reaper import Reaper
+from meshrun.agent.stacks import Target, classify, collect_stacks
 from meshrun.agent.workers import (
     GroupResult,
     WorkerGroup,
@@ -79,7 +80,8 @@ EXIT_RENDEZVOUS = 3
 EXIT_HUNG = 124
 # Message + traceback kept per failure in this node's own report (what the store gets is less).
 _LOCAL_REPORT_MAX_BYTES = 32 * 1024
-_NO_STACK = "unknown (call meshrun.parallel.init() in the script, or install py-spy)"
+# Restarts that are not a fault (nodes joining): nobody's stack is worth taking then.
+_NOT_A_FAULT = re.compile(r"node\(s\) waiting to join|job finished|succeeded")
 # Variables meshrun reads secrets from (an etcd password= in PET_RDZV_CONF; meshrun's own
 # *SECRET*/*PASSWORD*/*TOKEN* variables): never copied into a worker's environment. A torchrun
 # script needs none of them (DESIGN.md §3.1); the user's own variables pass through untouched.
@@ -137,6 +139,7 @@ class Agent:
             raise ConfigError(str(e)) from None
         self._group: WorkerGroup | None = None
         self._failed_round = False  # this round's group failed and published its failures
+        self._stacks_taken = False  # this round's stacks are in (a hang's report took them)
         self._signal: int | None = None
         self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
@@ -360,10 +363,14 @@ class Agent:
                     self._end_round(rdzv, bootstrap)
                     return EXIT_RENDEZVOUS
                 except JobFailed as e:
-                    return self._final_failure(rdzv, e.round, self._end_round(rdzv, bootstrap))
+                    local = self._end_round(rdzv, bootstrap, fault=True)
+                    return self._final_failure(rdzv, e.round, local)
                 if reason is not None:
                     say(f"restarting the worker group: {reason}")
-                    self._end_round(rdzv, bootstrap)
+                    fault = _NOT_A_FAULT.search(reason) is None
+                    for f in self._end_round(rdzv, bootstrap, fault=fault):
+                        if f.stopped:
+                            say(f"stopped rank {f.global_rank}: {_place(f)}")
                     break
 
     def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
@@ -415,46 +422,90 @@ class Agent:
         return None
 
     def _on_hang(self, rdzv: Rendezvous, hung: list[Hang]) -> str:
-        """Some rank made no progress for --hang-timeout: collect every local rank's stack,
-        publish the hung ranks as failures (exit status 124), spend one restart."""
+        """Some rank made no progress for --hang-timeout: take every local rank's stack (in
+        parallel, bounded), name the likely culprit, publish the hung ranks as failures (exit
+        status 124) and the others as stopped, spend one restart."""
         timeout = self.config.hang_timeout
         idle = {h.local_rank: h for h in hung}
-        failures = []
-        for spec, pid in zip(self._group.specs, self._group.pids, strict=True):
-            stack = collect_stack(pid, Path(progress_env(spec.log_dir)["MESHRUN_STACK_FILE"]))
-            where = stuck_at(stack) if stack else _NO_STACK
-            h = idle.get(spec.local_rank)
+        records = []
+        for r in self._take_stacks():  # every rank of a hung group is part of the hang
+            h = idle.get(r.local_rank)
             message = (
                 f"hung: no progress for {h.idle_s:.1f} s (--hang-timeout {timeout:g}) after "
-                f"{h.heartbeats} heartbeat(s); stuck at {where}"
+                f"{h.heartbeats} heartbeat(s); stuck at {r.at}"
                 if h is not None
-                else f"stopped with the hung group; was at {where}"
+                else f"stopped with the hung group; was at {r.at}"
             )
-            failures.append(
-                WorkerFailure(
-                    local_rank=spec.local_rank,
-                    global_rank=spec.global_rank,
-                    pid=pid,
-                    exitcode=EXIT_HUNG,
-                    timestamp_ms=h.last_progress_ms if h is not None else int(time.time() * 1000),
-                    host=self.host,
-                    node_rank=spec.node_rank,
-                    message=message,
-                    traceback=stack,
-                    source="stack",
-                    stdout_path=str(spec.log_dir / "stdout.log"),
-                    stderr_path=str(spec.log_dir / "stderr.log"),
-                )
+            stamp = h.last_progress_ms if h is not None else r.timestamp_ms
+            records.append(
+                replace(r, stopped=False, exitcode=EXIT_HUNG, timestamp_ms=stamp, message=message)
             )
-        first = min((f for f in failures if f.local_rank in idle), key=lambda f: f.timestamp_ms)
-        say(f"rank {first.global_rank} {first.message}")
-        self._raise_if_signalled()  # collecting stacks takes seconds: a signal may have come
+        if not records:  # the hung ranks exited meanwhile: their exit is the news
+            return rdzv.poll() or "the hung ranks exited while their stacks were taken"
+        blamed, why = culprits(records)
+        first = root_cause(records)
+        if blamed:
+            waiting = sorted(f.global_rank for f in records if f.state == "waiting")
+            by_rank = {f.global_rank: f for f in records}
+            named = "; ".join(f"rank {g} at {by_rank[g].at}" for g in blamed)
+            say(f"hang: likely cause {named} ({why}); waiting: ranks {_ranges(waiting)}")
+        else:
+            say(f"rank {first.global_rank} {first.message}" + (f" ({why})" if why else ""))
+        self._raise_if_signalled()  # collecting stacks takes up to seconds: a signal may come
         self._failed_round = True
-        rdzv.publish_failures([self._record(f) for f in failures])
+        self._stacks_taken = True
+        rdzv.publish_failures([self._record(f) for f in records])
+        culprit = f"rank {blamed[0]}" if blamed else f"rank {first.global_rank}"
         return rdzv.request_restart(
-            f"hang on {self.host}: rank {first.global_rank} made no progress for {timeout:g} s",
+            f"hang on {self.host}: {culprit} made no progress for {timeout:g} s"
+            + (f" ({why})" if blamed else ""),
             failure=True,
         )
+
+    def _take_stacks(self) -> list[WorkerFailure]:
+        """Where each running worker of the group is: its stack (all at once, at most
+        `STACKS_TIMEOUT_S` in all), classified (`meshrun.agent.stacks.classify`) with its
+        progress counters, as a ``stopped`` record per rank. [] when none runs."""
+        if self._group is None:
+            return []
+        running = self._group.running()
+        targets = [
+            Target(
+                key=spec.local_rank,
+                pid=pid,
+                pidfd=None,  # unreaped until the group's stop: the pid is still the worker's
+                stack_file=Path(progress_env(spec.log_dir)["MESHRUN_STACK_FILE"]),
+                save_to=spec.log_dir / "stack-py-spy.txt",
+            )
+            for spec, pid in running
+        ]
+        stacks = collect_stacks(targets)
+        records = []
+        for spec, pid in running:
+            stack = stacks[spec.local_rank]
+            progress = self._watch.sample(spec.local_rank) if self._watch is not None else None
+            where = classify(stack.main, progress.blocked if progress else None)
+            records.append(WorkerFailure(
+                local_rank=spec.local_rank,
+                global_rank=spec.global_rank,
+                pid=pid,
+                exitcode=-signal.SIGTERM,
+                timestamp_ms=int(time.time() * 1000),
+                host=self.host,
+                node_rank=spec.node_rank,
+                traceback=stack.text,
+                source="stack",
+                stdout_path=str(spec.log_dir / "stdout.log"),
+                stderr_path=str(spec.log_dir / "stderr.log"),
+                stopped=True,
+                state=where.state,
+                collective=where.collective,
+                at=where.at,
+                collectives=progress.collectives if progress is not None else -1,
+                stack_path=stack.path,
+                stack_problem=stack.problem,
+            ))  # fmt: skip
+        return records
 
     def _record(self, failure: WorkerFailure) -> dict:
         """The failure as published to the store: this node's host and node rank, message and
@@ -486,8 +537,10 @@ class Agent:
             mine = {f.global_rank: self._here(f).capped(_LOCAL_REPORT_MAX_BYTES) for f in local}
             here = self._group_info.node_rank
             failures = [mine.get(f.global_rank, f) if f.node_rank == here else f for f in failures]
-        if not failures:
+        if all(f.stopped for f in failures):
             say("error: the job failed on another node, which published no failure record")
+            if failures:
+                print(format_report(failures), file=sys.stderr, flush=True)
             return 1
         print(format_report(failures), file=sys.stderr, flush=True)
         if self._signal is not None:  # it came while the group was being stopped
@@ -520,13 +573,14 @@ class Agent:
             filtered_dir=attempt_dir,
             adopt_orphans=self._subreaper,
         )
+        self._stacks_taken = False
         self._watch = None
-        if c.hang_timeout is not None:  # the files exist before any worker can beat
-            try:
-                self._watch = ProgressWatch([s.log_dir for s in specs], c.hang_timeout)
-            except OSError as e:  # a full log disk: train on, unwatched (heartbeat copes)
-                say(f"hang detection off for round {info.round}: cannot write a progress "
-                    f"file ({e.strerror}: {e.filename}); is the log disk full?")
+        try:  # the files exist before any worker can beat
+            self._watch = ProgressWatch([s.log_dir for s in specs], c.hang_timeout)
+        except OSError as e:  # a full log disk: train on, unwatched (heartbeat copes)
+            what = "hang detection" if c.hang_timeout is not None else "progress counters"
+            say(f"{what} off for round {info.round}: cannot write a progress "
+                f"file ({e.strerror}: {e.filename}); is the log disk full?")
         self._group.start()
 
     def _spec(self, info: RendezvousInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
@@ -534,8 +588,7 @@ class Agent:
         rank = info.rank_offset + local_rank
         log_dir = attempt_dir / str(local_rank)
         env = worker_env(c, info, local_rank, error_file=log_dir / "error.json")
-        if c.hang_timeout is not None:
-            env.update(progress_env(log_dir))
+        env.update(progress_env(log_dir))
         args = tuple(a.replace("${local_rank}", str(local_rank)) for a in c.args)
         shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
         redirect, tee = c.redirects.for_rank(local_rank), c.tee.for_rank(local_rank)
@@ -559,10 +612,16 @@ class Agent:
             log_max_bytes=c.log_max_bytes,
         )
 
-    def _end_round(self, rdzv: Rendezvous, bootstrap: BootstrapStore) -> list[WorkerFailure]:
+    def _end_round(
+        self, rdzv: Rendezvous, bootstrap: BootstrapStore, *, fault: bool = False
+    ) -> list[WorkerFailure]:
         """Stop the group and close the round's bootstrap store; return the ranks that failed
-        on their own this round (`WorkerGroup.failures`). After a failure, those that failed a
-        moment after the first (they were not in its report yet) are published too."""
+        on their own this round (`WorkerGroup.failures`) and, after a ``fault`` (a failure, a
+        hang or a lost node, here or elsewhere), a ``stopped`` record of every rank that was
+        still running: where it was, from the stack taken just before the stop. After a
+        failure, the ranks that failed a moment after the first (they were not in its report
+        yet) are published too."""
+        stopped = self._take_stacks() if fault and not self._stacks_taken else []
         self._watch = None
         failures: list[WorkerFailure] = []
         if self._group is not None:
@@ -570,9 +629,11 @@ class Agent:
             failures = self._group.failures()
             self._group = None
         bootstrap.close()
+        failed = {f.global_rank for f in failures}
+        stopped = [f for f in stopped if f.global_rank not in failed]  # it failed meanwhile
         if self._failed_round and failures:
             rdzv.publish_failures([self._record(f) for f in failures])
-        return failures
+        return failures + stopped
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:
@@ -632,6 +693,29 @@ _PEER_LOST = re.compile(
     r"remote process exited|NCCL communicator was aborted",
     re.IGNORECASE,
 )
+
+
+def _place(f: WorkerFailure) -> str:
+    """Where a stopped rank was, in one line: "waiting in barrier at x.py:3 in f; stack: P"."""
+    if f.state == "waiting":
+        place = f"waiting in {f.collective or 'a collective'}"
+    elif f.state == "running":
+        place = "running, outside any collective"
+    else:
+        place = "place unknown"
+    found = f"; stack: {f.stack_path}" if f.stack_path else f" ({f.stack_problem})"
+    return f"{place} at {f.at}{found}"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> "0-2, 5"."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out) or "none"
 
 
 def _peer_lost(failure: WorkerFailure) -> bool:

@@ -86,6 +86,19 @@ class WorkerFailure:
     #: traceback is the stderr tail, "stack" when it is the stack of a hung worker (the agent
     #: stopped it), "" when there was none.
     source: str = ""
+    #: True for a rank that did not fail: the agent stopped it after another's failure (its
+    #: record says where it was; it is never the root cause).
+    stopped: bool = False
+    #: Where the rank was (`meshrun.agent.stacks.classify`): "waiting" (inside a collective),
+    #: "running" (anywhere else), "unknown", or "" when not known; the collective it waited in;
+    #: the innermost frame of its own code; meshrun.parallel collectives issued (-1: unknown).
+    state: str = ""
+    collective: str = ""
+    at: str = ""
+    collectives: int = -1
+    #: The rank's full stack in its log directory ("" when none was taken), or why not.
+    stack_path: str = ""
+    stack_problem: str = ""
 
     @property
     def signal_name(self) -> str | None:
@@ -204,35 +217,75 @@ def cut_middle(text: str, max_bytes: int) -> str:
 
 
 def root_cause(failures: Iterable[WorkerFailure]) -> WorkerFailure:
-    """The first failure: earliest ``timestamp_ms``, ties broken by the lower global rank.
+    """The first failure: earliest ``timestamp_ms``, ties broken by the lower global rank;
+    stopped ranks (``stopped``) only when nothing failed. For a hang (every record a stack
+    of a hung rank), the first of the likely culprits (`culprits`) when there are any.
 
     Raises:
         ValueError: ``failures`` is empty.
     """
-    ordered = sorted(failures, key=_order)
-    if not ordered:
+    failures = list(failures)
+    own = sorted((f for f in failures if not f.stopped), key=_order) or sorted(failures, key=_order)
+    if not own:
         raise ValueError("root_cause: no failures given")
-    return ordered[0]
+    if all(f.source == "stack" for f in own):
+        blamed, _ = culprits(failures)
+        first = next((f for f in own if f.global_rank in blamed), None)
+        if first is not None:
+            return first
+    return own[0]
+
+
+def culprits(failures: Iterable[WorkerFailure]) -> tuple[list[int], str]:
+    """The global ranks that most likely caused the failure, and why: the ranks outside any
+    collective while others wait, else those behind in collectives issued, else those in a
+    different collective (`meshrun.agent.stacks.attribute`), judged over every record that
+    says where its rank was. A rank that failed inside a collective (its traceback has a
+    ``torch.distributed`` collective frame) counts as waiting."""
+    from meshrun.agent.stacks import Whereabouts, attribute, classify, traceback_frames
+
+    places: dict[int, tuple[Whereabouts, int | None]] = {}
+    for f in failures:
+        if f.state:
+            where = Whereabouts(f.state, f.collective, f.at)
+        elif f.source in ("error.json", "stderr"):
+            where = classify(traceback_frames(f.traceback))
+            if where.state != "waiting":
+                continue  # it failed in its own code: a failure, not a place
+        else:
+            continue
+        places.setdefault(f.global_rank, (where, f.collectives if f.collectives >= 0 else None))
+    return attribute(places)
 
 
 def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: job failed") -> str:
-    """Render the failure report: the root cause in full, then one line per other failure.
+    """Render the failure report: the root cause in full, the likely cause when that is another
+    rank, one line per other failure, then every rank the agents stopped and where it was.
 
     Other failures get one line each (their message's first line, at most 200 characters).
     The root cause shows where it ran (host, node rank, local and global rank, pid), how it
     ended ("exit code 7" / "signal SIGKILL (exit status 137)"), when (local time, ms), the
     message and traceback (from error.json, else the kept stderr tail) and the log paths.
+    Each stopped rank (and, in a hang, each other hung rank) gets a line with its place
+    ("waiting in barrier", "likely cause: outside any collective"), the innermost frame of
+    its own code and where its full stack is, then its main thread's innermost frames.
     The role is that of torch's ``ChildFailedError.format_msg``, without its ``<N/A>`` fields.
 
     Raises:
         ValueError: ``failures`` is empty.
     """
-    ordered = sorted(failures, key=_order)
-    if not ordered:
+    if not failures:
         raise ValueError("format_report: no failures given")
-    first = ordered[0]
+    first = root_cause(failures)
+    blamed, why = culprits(failures)
+    own = [f for f in sorted(failures, key=_order) if not f.stopped and f is not first]
+    places = [f for f in own if f.source == "stack"]
+    others = [f for f in own if f.source != "stack"]
+    stopped = [f for f in sorted(failures, key=_rank) if f.stopped] + places
     rule = "=" * 72
     lines = [rule, title, rule, "Root cause (first observed failure):"]
+    if first.stopped:
+        lines[-1] = "No rank failed on its own; the agents stopped these:"
     lines.append(f"  rank       : {first.global_rank} (local rank {first.local_rank})")
     lines.append(f"  host       : {first.host or '?'} (node rank {first.node_rank})")
     lines.append(f"  pid        : {first.pid}")
@@ -244,6 +297,8 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
     lines.append(f"  time       : {_format_time(first.timestamp_ms)}")
     if first.message:
         lines.append(f"  message    : {first.message}")
+    if first.global_rank in blamed:
+        lines.append(f"  likely     : the cause: {why}")
     if first.traceback:
         what = {
             "error.json": "traceback (error.json)",
@@ -260,20 +315,65 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
     if first.stdout_path or first.stderr_path:
         lines.append(f"  logs       : {first.stderr_path or '-'} (stderr)")
         lines.append(f"               {first.stdout_path or '-'} (stdout)")
-    others = ordered[1:]
+    elsewhere = [f for f in stopped + others if f.global_rank in blamed]
+    if elsewhere:
+        ranks = ", ".join(str(f.global_rank) for f in elsewhere)
+        lines.append(f"Likely cause: rank {ranks}, {why}:")
+        for f in elsewhere:
+            lines.append(f"  rank {f.global_rank} ({_where(f)}) at {f.at or '?'}")
     if others:
         lines.append(f"Other failures ({len(others)}), in order observed:")
         for f in others:
             delta = f.timestamp_ms - first.timestamp_ms
-            where = f"host {f.host or '?'}, node rank {f.node_rank}, local rank {f.local_rank}"
             log = f", stderr: {f.stderr_path}" if f.stderr_path else ""
             note = f" - {_first_line(f.message)}" if f.message else ""
             lines.append(
-                f"  rank {f.global_rank} ({where}, pid {f.pid}): {f.describe_exit()}"
+                f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {f.describe_exit()}"
                 f" at +{delta} ms{note}{log}"
             )
+    if stopped:
+        lines.append(f"Stopped ranks ({len(stopped)}), where each was:")
+        for f in stopped:
+            lines.extend(_stopped_lines(f, f.global_rank in blamed))
+    elif blamed == [] and why:
+        lines.append(f"Note: {why}")
     lines.append(rule)
     return "\n".join(lines)
+
+
+def _stopped_lines(f: WorkerFailure, blamed: bool) -> list[str]:
+    """One stopped (or other hung) rank: its place, then its main thread's innermost frames."""
+    if f.state == "waiting":
+        place = f"waiting in {f.collective or 'a collective'}"
+    elif f.state == "running":
+        place = "running, outside any collective"
+    else:
+        place = "place unknown"
+    if blamed:
+        place = f"LIKELY CAUSE, {place}"
+    head = f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {place}"
+    lines = [head + (f" at {f.at}" if f.at else "")]
+    if f.stack_path:
+        lines.append(f"    full stack: {f.stack_path}")
+    elif f.stack_problem:
+        lines.append(f"    {f.stack_problem}")
+    from meshrun.agent.stacks import main_thread
+
+    for frame in main_thread(f.traceback)[:_STACK_LINES]:
+        lines.append(f"      {frame}")
+    return lines
+
+
+# Frames of each stopped rank's main thread shown in the report (the rest are in its stack file).
+_STACK_LINES = 6
+
+
+def _where(f: WorkerFailure) -> str:
+    return f"host {f.host or '?'}, node rank {f.node_rank}, local rank {f.local_rank}"
+
+
+def _rank(f: WorkerFailure) -> int:
+    return f.global_rank
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -274,6 +274,15 @@ class WorkerGroup:
             ]
         return _describe(failed)
 
+    def running(self) -> list[tuple[WorkerSpec, int]]:
+        """``(spec, pid)`` of each worker that is still running, in spec order ([] after
+        :meth:`stop`). Workers are reaped only by :meth:`stop`, so until then each pid names
+        its worker even if it exits meanwhile (a zombie), and may be signalled."""
+        with self._reap_lock:
+            if self._reaped:
+                return []
+            return [(w.spec, w.proc.pid) for w in self._workers if not _has_exited(w)]
+
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the process group of every worker that has not exited (a no-op
         after :meth:`stop`, which reaps them)."""

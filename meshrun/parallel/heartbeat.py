@@ -1,42 +1,134 @@
-"""`heartbeat()`: tell the agent this rank made progress; stack dumps on request.
+"""Progress for ``meshrun --hang-timeout``: heartbeats, long work, collectives; stack dumps.
 
-The agent (``meshrun --hang-timeout``) gives each worker ``MESHRUN_PROGRESS_FILE``, an 8-byte
-file holding a little-endian uint64. `heartbeat()` maps it once and then only increments the
-counter in memory: no system call, no lock, well under a microsecond, so it can be called every
-step (the library's strategies do; a script may call it too, e.g. once per batch of its own
-loop). Without the variable (plain python, torchrun) it does nothing.
+The agent gives each worker ``MESHRUN_PROGRESS_FILE``, a small file of little-endian uint64
+slots that this module maps once and then updates in memory (a store: no system call, no lock,
+well under a microsecond), and the agent reads once per monitor tick:
+
+====  ============================================================================
+slot  meaning
+====  ============================================================================
+0     heartbeats: one per training step (`heartbeat()`; the strategies call it)
+1     busy beats: ticks of a `busy()` block (long work that is not a step)
+2     collectives issued by meshrun.parallel (`note_issued`)
+3     depth of meshrun.parallel calls blocked in a collective right now (`blocked`)
+4     nanoseconds spent blocked in meshrun.parallel collectives, in all
+====  ============================================================================
+
+Slots 0 and 1 are progress; 2-4 tell the agent where a stalled rank is (waiting in a
+collective, or behind the others in collectives issued) and how much of each step a rank spends
+waiting for its peers (a straggler waits least). Without the variable (plain python, torchrun)
+all of it does nothing.
 
 `register_stack_dump()` (called by ``meshrun.parallel.init()``) arms Python's ``faulthandler``
 on ``MESHRUN_STACK_SIGNAL`` to write every thread's stack to ``MESHRUN_STACK_FILE``, which the
-agent reads when a rank is hung. The file exists only once armed, so the agent never sends the
-signal to a process that would die of it.
+agent reads when a rank is hung or stopped after a failure. The file exists only once armed, so
+the agent never sends the signal to a process that would die of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import mmap
 import os
 import signal
+import threading
+import time
+from collections.abc import Iterator
+
+#: Bytes of the progress file: five uint64 slots (see the module docstring).
+PROGRESS_BYTES = 40
+_HEARTBEATS, _BUSY, _ISSUED, _BLOCKED, _BLOCKED_NS = 0, 8, 16, 24, 32
 
 _progress: mmap.mmap | None | bool = None  # None: not opened yet; False: no channel
-_count = 0
+_lock = threading.Lock()  # slots written from a busy() thread and the main thread
 _stack_file = None  # kept open: faulthandler writes to its file descriptor
 
 
 def heartbeat() -> None:
     """Record one unit of progress of this rank (a training step, say).
 
-    Costs one store to memory after the first call. A no-op when the process was not started
-    by ``meshrun --hang-timeout``.
+    Costs a few stores to memory after the first call. A no-op when the process was not
+    started by ``meshrun --hang-timeout``.
     """
-    global _progress, _count
+    _bump(_HEARTBEATS, 1)
+
+
+@contextlib.contextmanager
+def busy(what: str = "work", *, interval: float = 1.0, timeout: float | None = None) -> Iterator[None]:
+    """Count long work that is not a training step (an evaluation, a checkpoint) as progress.
+
+    While the block runs, a thread beats every ``interval`` seconds, so ``--hang-timeout``
+    does not call the rank hung; after ``timeout`` seconds (None: never) it stops beating, so a
+    block that truly hangs is still caught. Use it on *every* rank that takes part, also on the
+    ranks that only wait for the work (a barrier after rank 0's evaluation): a rank waiting
+    outside ``busy()`` makes no progress. meshrun's checkpoint save and load use it.
+
+    Args:
+        what: a name for the work (for the reader; not sent anywhere).
+        interval: seconds between beats (> 0).
+        timeout: seconds after which the block no longer counts as progress, or None.
+    """
+    del what
+    if _channel() is None:
+        yield
+        return
+    done = threading.Event()
+    until = None if timeout is None else time.monotonic() + timeout
+
+    def beat() -> None:
+        while not done.wait(interval):
+            if until is not None and time.monotonic() > until:
+                return
+            _bump(_BUSY, 1)
+
+    thread = threading.Thread(target=beat, name="meshrun-busy", daemon=True)
+    _bump(_BUSY, 1)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        _bump(_BUSY, 1)
+
+
+def note_issued(n: int = 1) -> None:
+    """Count ``n`` collectives issued by this rank (meshrun.parallel's collectives call it)."""
+    _bump(_ISSUED, n)
+
+
+@contextlib.contextmanager
+def blocked() -> Iterator[None]:
+    """Mark this rank as blocked in a collective for the block's duration (a synchronous
+    collective, or ``work.wait()``), and add the time to the blocked-nanoseconds slot."""
+    slots = _channel()
+    if slots is None:
+        yield
+        return
+    _bump(_BLOCKED, 1)
+    start = time.monotonic_ns()
+    try:
+        yield
+    finally:
+        _bump(_BLOCKED_NS, time.monotonic_ns() - start)
+        _bump(_BLOCKED, -1)
+
+
+def _bump(offset: int, delta: int) -> None:
+    slots = _channel()
+    if slots is None:
+        return
+    with _lock:
+        value = int.from_bytes(slots[offset : offset + 8], "little") + delta
+        slots[offset : offset + 8] = max(0, value).to_bytes(8, "little")
+
+
+def _channel() -> mmap.mmap | None:
+    global _progress
     if _progress is None:
         _progress = _open_progress()
-    if _progress is False:
-        return
-    _count += 1
-    _progress[:8] = _count.to_bytes(8, "little")
+    return _progress or None
 
 
 def _open_progress():
@@ -45,7 +137,9 @@ def _open_progress():
         return False
     try:
         with open(path, "r+b") as f:
-            return mmap.mmap(f.fileno(), 8)
+            if os.fstat(f.fileno()).st_size < PROGRESS_BYTES:
+                return False
+            return mmap.mmap(f.fileno(), PROGRESS_BYTES)
     except (OSError, ValueError):
         return False
 
