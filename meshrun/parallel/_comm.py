@@ -7,6 +7,9 @@
 - `all_reduce_`: in place, and nothing at all in a group of one.
 - `broadcast_from_first_`: every rank starts from rank 0 of a group's tensors, one flat
   message per (dtype, device) instead of one per tensor.
+- `launched` / `wait`: every collective the strategies issue is counted, and every wait for
+  one marks the rank blocked (`meshrun.parallel.heartbeat`'s slots), so the agent can tell a
+  rank waiting for its peers from one that is computing, and who is behind.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from meshrun.parallel.heartbeat import blocked, note_issued
 
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
@@ -23,20 +28,34 @@ REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_singl
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
     """Async all-gather along dim 0: ``output`` ``[P * n, ...]`` <- every rank's ``shard``
     ``[n, ...]``, in rank order. Returns the work handle (``wait()`` before reading)."""
-    return getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=True)
+    return launched(getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=True))
 
 
 def reduce_scatter_flat(output: torch.Tensor, packed: torch.Tensor, group) -> dist.Work:
     """Async reduce-scatter (SUM) along dim 0: ``output`` ``[n, ...]`` <- the sum over the
     ranks of rank r's block of ``packed`` ``[P * n, ...]``. Returns the work handle."""
-    return getattr(dist, REDUCE_SCATTER)(output, packed, group=group, async_op=True)
+    return launched(getattr(dist, REDUCE_SCATTER)(output, packed, group=group, async_op=True))
 
 
 def all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce ``x`` in place over ``group`` (skipped in a group of one); returns ``x``."""
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        note_issued()
+        with blocked():
+            dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def launched(work: dist.Work) -> dist.Work:
+    """Count one issued async collective (or send/recv); returns ``work``."""
+    note_issued()
+    return work
+
+
+def wait(work: dist.Work) -> None:
+    """``work.wait()``, with this rank marked blocked in a collective meanwhile."""
+    with blocked():
+        work.wait()
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel._comm import broadcast_from_first_
+from meshrun.parallel._comm import broadcast_from_first_, launched, wait
 from meshrun.parallel.heartbeat import heartbeat
 
 MiB = 1024 * 1024
@@ -349,7 +349,7 @@ class _Reducer:
         if self.compress_dtype is not None and comm.dtype != self.compress_dtype:
             comm = comm.to(self.compress_dtype)
         bucket.comm = comm
-        bucket.work = dist.all_reduce(comm, group=self.group, async_op=True)
+        bucket.work = launched(dist.all_reduce(comm, group=self.group, async_op=True))
 
     def _finalize(self) -> None:
         """End of backward (autograd engine callback): finish the launched all-reduces."""
@@ -359,12 +359,12 @@ class _Reducer:
         try:
             used = self._launch_remaining()
             for bucket in self.buckets:
-                bucket.work.wait()
+                wait(bucket.work)
                 if bucket.comm is not bucket.buffer:
                     bucket.buffer.copy_(bucket.comm)
                 self._copy_back(bucket)
             if used is not None:
-                used.wait()
+                wait(used)
                 self._assign_unused(self.local_used)
         finally:
             self._reset()
@@ -392,7 +392,7 @@ class _Reducer:
         for bucket in self.buckets[self.next_bucket:]:
             self._launch(bucket)
         self.next_bucket = len(self.buckets)
-        return dist.all_reduce(self.local_used, group=self.group, async_op=True)
+        return launched(dist.all_reduce(self.local_used, group=self.group, async_op=True))
 
     def _assign_unused(self, used: torch.Tensor) -> None:
         """Parameters used on some rank but without a local .grad get the averaged slot;

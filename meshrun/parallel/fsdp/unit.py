@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat
+from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat, wait
 from meshrun.parallel.fsdp.layout import ShardLayout
 from meshrun.parallel.heartbeat import heartbeat
 
@@ -104,7 +104,7 @@ class Root:
     def begin_forward(self) -> None:
         if self.in_backward:  # a backward that raised never reached finish_backward: forget it
             for _unit, work, _output, _packed in self.pending:
-                work.wait()
+                wait(work)
             self.pending = []
             self.in_backward = False
         if self.order:
@@ -164,7 +164,7 @@ class Root:
     @staticmethod
     def _finish(entry) -> None:
         unit, work, output, _packed = entry
-        work.wait()
+        wait(work)
         if unit.replicate_group is not None:  # HSDP: sum the replicas' shard gradients
             all_reduce_(output, unit.replicate_group)
         unit.accumulate_shard_grads(output)
@@ -250,14 +250,14 @@ class Unit:
         if self.gather is not None:
             work, out, _ = self.gather
             self.gather = None
-            work.wait()
+            wait(work)
             with torch.no_grad():  # .data: a fresh version counter, autograd's stays as it was
                 self.layout.unpack(out, [t.data for t in into])
         return into
 
     def drop_gather(self) -> None:
         if self.gather is not None:
-            self.gather[0].wait()
+            wait(self.gather[0])
             self.gather = None
 
     def needs_gather(self) -> bool:

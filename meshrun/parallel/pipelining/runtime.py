@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from meshrun.parallel._comm import launched, wait
 from meshrun.parallel.grad_sync import gradient_sync
 from meshrun.parallel.heartbeat import heartbeat
 from meshrun.parallel.pipelining.actions import BACKWARD, FORWARD, Action, Order, stage_rank
@@ -242,7 +243,7 @@ class _Step:
                 self._backward(action, inputs)
             sched.last_actions.append(action)
         for work, _ in self.sends:
-            work.wait()
+            wait(work)
         self.sends = []
         heartbeat()  # one step done: progress for `meshrun --hang-timeout`
         if self.last is None:
@@ -342,8 +343,8 @@ class _Step:
         first_slot = 1
         if header:
             head = _encode_header(tensors, tensors[0].device if tensors else None)
-            work = dist.isend(head, group=group, group_dst=dst,
-                              tag=self._tag(kind, dst_stage, m, 0))
+            work = launched(dist.isend(head, group=group, group_dst=dst,
+                                       tag=self._tag(kind, dst_stage, m, 0)))
             self.sends.append((work, [head]))
             meta, posted = tensor_meta(tensors), self.sched._sent_meta.get(dst_stage)
             if posted is not None and posted != meta:
@@ -352,14 +353,14 @@ class _Step:
                 fill = [torch.zeros(shape, dtype=dtype, device=head.device)
                         for shape, dtype in posted]
                 for i, t in enumerate(fill):
-                    work = dist.isend(t, group=group, group_dst=dst,
-                                      tag=self._tag(kind, dst_stage, m, 1 + i))
+                    work = launched(dist.isend(t, group=group, group_dst=dst,
+                                               tag=self._tag(kind, dst_stage, m, 1 + i)))
                     self.sends.append((work, [t]))
                 first_slot = 1 + MAX_TENSORS
             self.sched._sent_meta[dst_stage] = meta
         for i, t in enumerate(tensors):
-            work = dist.isend(t, group=group, group_dst=dst,
-                              tag=self._tag(kind, dst_stage, m, first_slot + i))
+            work = launched(dist.isend(t, group=group, group_dst=dst,
+                                       tag=self._tag(kind, dst_stage, m, first_slot + i)))
             self.sends.append((work, [t]))
 
     def _source(self, action: Action) -> int | None:
@@ -403,8 +404,8 @@ class _Step:
                        for i, t in enumerate(recv.tensors)]
 
     def _irecv(self, tensor, src, kind, s, m, slot):
-        return dist.irecv(tensor, group=self.sched.group, group_src=src,
-                          tag=self._tag(kind, s, m, slot))
+        return launched(dist.irecv(tensor, group=self.sched.group, group_src=src,
+                                   tag=self._tag(kind, s, m, slot)))
 
     def _wait_recv(self, action: Action):
         src_stage = self._source(action)
@@ -420,22 +421,22 @@ class _Step:
         recv = self.recvs.pop(action)
         if recv.header is None:
             for work in recv.works:
-                work.wait()
+                wait(work)
             return recv.tensors
         s = action.stage
-        recv.works[0].wait()  # the header
+        wait(recv.works[0])  # the header
         meta = _decode_header(recv.header)
         self.sched._recv_meta[s] = meta  # what the sender now remembers too
         self._check_header(s, meta)
         self.in_meta[s] = meta
         for work in recv.works[1:]:  # the payload posted in advance (or the sender's filler)
-            work.wait()
+            wait(work)
         if recv.posted_meta != meta:  # nothing posted in advance, or other shapes: post now
             recv.works = []
             first_slot = 1 if recv.posted_meta is None else 1 + MAX_TENSORS
             self._post_payload(recv, meta, action.kind, s, action.microbatch, first_slot)
             for work in recv.works:
-                work.wait()
+                wait(work)
         return recv.tensors
 
     def _check_header(self, s: int, meta):

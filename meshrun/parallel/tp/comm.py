@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat
+from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat, wait
 
 # -------------------------------------------------------------------------------------------
 # autograd functions
@@ -226,7 +226,7 @@ class _AsyncAllGather:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            wait(self.work)
         if self.dim == 0:
             return self.out
         parts = self.out.view(self.size, *self.shape)  # [P, .., n, ..]
@@ -256,7 +256,7 @@ class _AsyncReduceScatter:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            wait(self.work)
         return self.out  # rank-major input: this rank's block is already in place
 
 
