@@ -67,8 +67,9 @@ def load_secret(conf: dict[str, str], environ=os.environ) -> bytes | None:
     """
     if "secret" in conf:
         raise ValueError(
-            "--rdzv-conf secret: a secret given as a value is visible to every user of "
-            f"the host (ps) and in shell histories; give secret_file=PATH (a file only you can read) or {SECRET_ENV}"
+            "--rdzv-conf secret: a secret given as a value is visible to every user of the "
+            "host (ps) and in shell histories; give secret_file=PATH (a file only you can "
+            f"read) or {SECRET_ENV}"
         )
     path = conf.get("secret_file")
     if path:
