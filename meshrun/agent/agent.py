@@ -501,7 +501,7 @@ class Agent:
                 state=where.state,
                 collective=where.collective,
                 at=where.at,
-                collectives=progress.collectives if progress is not None else -1,
+                collectives=_comparable_count(progress, stack.main),
                 stack_path=stack.path,
                 stack_problem=stack.problem,
             ))  # fmt: skip
@@ -705,6 +705,15 @@ def _place(f: WorkerFailure) -> str:
         place = "place unknown"
     found = f"; stack: {f.stack_path}" if f.stack_path else f" ({f.stack_problem})"
     return f"{place} at {f.at}{found}"
+
+
+def _comparable_count(progress, frames) -> int:
+    """The rank's count of meshrun.parallel collectives issued, or -1 where it cannot be
+    compared with other ranks' (no counters; a pipeline stage, whose sends, receives and
+    bucket counts differ from other stages' by design)."""
+    if progress is None or any("meshrun/parallel/pipelining" in f.file for f in frames):
+        return -1
+    return progress.collectives
 
 
 def _ranges(ranks: list[int]) -> str:

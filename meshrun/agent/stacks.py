@@ -245,7 +245,9 @@ def attribute(ranks: dict[int, tuple[Whereabouts, int | None]]) -> tuple[list[in
     why, in a few words.
 
     Rules, in order: the ranks running outside any collective while others wait; else, all
-    waiting, the ranks that issued fewer collectives than the most (behind the wavefront);
+    waiting, the ranks that issued fewer collectives than the most (behind the wavefront;
+    only when every waiting rank's count is known: ranks of different pipeline stages issue
+    different numbers of collectives by design, so theirs are passed as None);
     else the ranks waiting in a collective that fewer ranks wait in (a mismatched call). When
     no rule separates the ranks (all wait in the same collective at the same count, e.g. for
     a rank on another node), returns ``([], reason)``.
@@ -258,7 +260,7 @@ def attribute(ranks: dict[int, tuple[Whereabouts, int | None]]) -> tuple[list[in
     if not waiting:
         return [], ""
     counts = {r: n for r, (_, n) in ranks.items() if r in waiting and n is not None}
-    if len(set(counts.values())) > 1:
+    if len(counts) == len(waiting) and len(set(counts.values())) > 1:
         most = max(counts.values())
         behind = sorted(r for r, n in counts.items() if n < most)
         return behind, f"behind: fewer collectives issued than the others' {most}"

@@ -20,7 +20,8 @@ model with an explicit process group or mesh; there are no module-level global g
   accumulation, under FSDP or DDP alike.
 - `checkpoint` (``save``, ``load``, ``latest``, ``model_state``, ``optimizer_state``):
   distributed checkpoints that reshard on load (`placement` says which blocks a rank holds).
-- `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step).
+- `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step);
+  `busy()`: long work that is not a step (an evaluation; checkpoint save and load use it).
 - `parallelize()` + `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, ...: tensor and
   sequence parallelism (Megatron); `vocab_parallel_cross_entropy()`; `RNGTracker`.
 - `PipelineStage`, `split_into_stages()`, `ScheduleGPipe`, `Schedule1F1B`,
@@ -39,7 +40,7 @@ from meshrun.parallel.fsdp import (
     fully_shard,
 )
 from meshrun.parallel.grad_sync import gradient_sync
-from meshrun.parallel.heartbeat import heartbeat
+from meshrun.parallel.heartbeat import busy, heartbeat
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.pipelining import (
     PipelineSchedule,
@@ -67,7 +68,7 @@ __all__ = ["ColwiseParallel", "Mesh", "ParallelContext", "PrepareModuleInput",
            "PrepareModuleOutput", "RNGTracker", "RowwiseParallel", "SequenceParallel",
            "ShardedDropout", "agree_num_batches", "ddp", "full_tensor", "heartbeat", "init",
            "parallelize", "vocab_parallel_cross_entropy"]
-__all__ += ["checkpoint_activations", "gradient_sync"]
+__all__ += ["busy", "checkpoint_activations", "gradient_sync"]
 __all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
             "fully_shard"]
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",

@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from meshrun.parallel import atomic_dir, placement
 from meshrun.parallel.atomic_dir import SaveInProgress
+from meshrun.parallel.heartbeat import busy
 
 __all__ = ["AsyncSave", "ModelState", "OptimizerState", "SaveInProgress",
            "create_optimizer_state", "latest", "load", "model_state", "optimizer_state", "save",
@@ -82,6 +83,7 @@ __all__ = ["AsyncSave", "ModelState", "OptimizerState", "SaveInProgress",
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+@busy("checkpoint save")
 def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> AsyncSave | None:
     """Write ``state`` to the directory ``path``, atomically; a collective over all ranks.
 
@@ -215,6 +217,7 @@ _pending: AsyncSave | None = None
 _group = None  # the background saves' own process group, made at the first
 
 
+@busy("checkpoint load")
 def load(state: dict, path: str | os.PathLike) -> None:
     """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks.
 

@@ -117,3 +117,20 @@ def test_a_script_that_never_beats_is_never_called_hung(launch):
     )
     assert result.returncode == 0, result.stderr
     assert "slow but fine" in result.stdout and "no progress" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_long_work_inside_busy_is_progress_not_a_hang(launch):
+    args = ["--nproc-per-node", "2", "--hang-timeout", "2", "--shutdown-timeout", "2"]
+    result = launch.run([*args, str(SCRIPTS / "long_eval.py"), "busy"], timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("done") == 2 and "no progress" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["bare", "busy-timeout"])
+def test_long_work_outside_busy_or_past_its_timeout_is_a_hang(launch, mode):
+    args = ["--nproc-per-node", "2", "--hang-timeout", "2", "--shutdown-timeout", "2"]
+    result = launch.run([*args, str(SCRIPTS / "long_eval.py"), mode], timeout=50)
+    assert result.returncode == 124, result.stderr
+    assert "no progress" in result.stderr
