@@ -44,10 +44,12 @@ from typing import TYPE_CHECKING
 
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
+from meshrun.agent.events import EVENT_FILE, EventLog
 from meshrun.agent.hang import Hang, ProgressWatch, progress_env
 from meshrun.agent.logs import UnsafeLogDir, make_private_dir
 from meshrun.agent.reaper import Reaper
 from meshrun.agent.stacks import Target, classify, collect_stacks
+from meshrun.agent.stragglers import StepTimes, Stragglers, decode_step_times, encode_step_times
 from meshrun.agent.workers import (
     GroupResult,
     WorkerGroup,
@@ -140,6 +142,10 @@ class Agent:
         self._group: WorkerGroup | None = None
         self._failed_round = False  # this round's group failed and published its failures
         self._stacks_taken = False  # this round's stacks are in (a hang's report took them)
+        self._events = EventLog(None, self.host)  # the real one once the log dir exists
+        self._steps = StepTimes()
+        self._stragglers = Stragglers()
+        self._steps_at = 0.0  # monotonic time this node last published its step times
         self._signal: int | None = None
         self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
@@ -187,8 +193,18 @@ class Agent:
         """Run until the job succeeds, fails, or a handled signal stops it; return the exit code.
 
         Exit codes (DESIGN.md §3.4): 0 success; the root-cause worker's exit status; 3 for a
-        rendezvous or store failure; 128+N when stopped by signal N.
+        rendezvous or store failure; 128+N when stopped by signal N. Every step of the way is
+        an event in ``events.jsonl`` in this agent's log directory (`meshrun.agent.events`).
         """
+        code = 1
+        try:
+            code = self._run()
+            return code
+        finally:
+            self._events.emit("agent_exit", code=code)
+            self._events.close()
+
+    def _run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in self.config.signals_to_handle}
         if self.config.hang_timeout is not None:
             say(
@@ -203,7 +219,14 @@ class Agent:
         reaper.start()
         rdzv: Rendezvous | None = None
         try:
-            self._log_dir()  # a log dir that cannot be made safely: exit 2, nothing started
+            log_dir = self._log_dir()  # one that cannot be made safely: exit 2, nothing started
+            self._events = EventLog(
+                log_dir / EVENT_FILE, self.host, console=self.config.event_log_handler == "console"
+            )
+            self._events.emit(
+                "agent_start", node=self.node_id, nproc=self.config.nproc_per_node,
+                run_id=self.run_id,
+            )  # fmt: skip
             store, addr = self._interruptible(
                 open_store,
                 self.config.rdzv_backend,
@@ -355,6 +378,7 @@ class Agent:
                     elif self._watch is not None and (hung := self._watch.check()):
                         reason = self._on_hang(rdzv, hung)
                     else:
+                        self._watch_steps(rdzv, info)
                         reason = rdzv.poll()
                 except _Stopped:  # signals win over failures: nothing spent, exit 128+N
                     return self._stop_by_signal()
@@ -367,6 +391,7 @@ class Agent:
                     return self._final_failure(rdzv, e.round, local)
                 if reason is not None:
                     say(f"restarting the worker group: {reason}")
+                    self._note_restart(info, reason)
                     fault = _NOT_A_FAULT.search(reason) is None
                     for f in self._end_round(rdzv, bootstrap, fault=fault):
                         if f.stopped:
@@ -383,6 +408,11 @@ class Agent:
         self._raise_if_signalled()
         self._failed_round = True
         rdzv.publish_failures([self._record(f) for f in result.failures])
+        for f in result.failures:
+            self._events.emit(
+                "failure", round=info.round, rank=f.global_rank, exitcode=f.exitcode,
+                message=_first_line(f.message) or f.describe_exit(),
+            )  # fmt: skip
         state, _ = rdzv.read_state()
         if state.restarts >= self.settings.max_restarts and state.round == info.round:
             say(
@@ -454,6 +484,10 @@ class Agent:
         self._raise_if_signalled()  # collecting stacks takes up to seconds: a signal may come
         self._failed_round = True
         self._stacks_taken = True
+        self._events.emit(
+            "hang", round=self._group_info.round, culprits=blamed or [first.global_rank],
+            waiting=sorted(f.global_rank for f in records if f.state == "waiting"),
+        )  # fmt: skip
         rdzv.publish_failures([self._record(f) for f in records])
         culprit = f"rank {blamed[0]}" if blamed else f"rank {first.global_rank}"
         return rdzv.request_restart(
@@ -582,6 +616,18 @@ class Agent:
             say(f"{what} off for round {info.round}: cannot write a progress "
                 f"file ({e.strerror}: {e.filename}); is the log disk full?")
         self._group.start()
+        self._steps.forget()
+        self._stragglers.reset()
+        self._events.emit(
+            "round_start", round=info.round, node_rank=info.node_rank,
+            num_nodes=info.num_nodes, world_size=info.world_size, rank_offset=info.rank_offset,
+            local_world_size=info.local_world_size, restart_count=info.restart_count,
+        )  # fmt: skip
+        for spec, pid in zip(self._group.specs, self._group.pids, strict=True):
+            self._events.emit(
+                "worker_start", round=info.round, rank=spec.global_rank,
+                local_rank=spec.local_rank, worker_pid=pid,
+            )  # fmt: skip
 
     def _spec(self, info: RendezvousInfo, local_rank: int, attempt_dir: Path) -> WorkerSpec:
         c = self.config
@@ -627,6 +673,7 @@ class Agent:
         if self._group is not None:
             self._group.stop(self.config.shutdown_timeout)
             failures = self._group.failures()
+            self._note_exits()
             self._group = None
         bootstrap.close()
         failed = {f.global_rank for f in failures}
@@ -634,6 +681,67 @@ class Agent:
         if self._failed_round and failures:
             rdzv.publish_failures([self._record(f) for f in failures])
         return failures + stopped
+
+    # -- what the timeline and the straggler check see -----------------------------------------
+    def _note_exits(self) -> None:
+        """One ``worker_exit`` event per worker of the group just stopped."""
+        for spec, code, stopped in self._group.outcomes():
+            fields = {"exitcode": code if code is None or code >= 0 else None}
+            if code is not None and code < 0:
+                fields["signal"] = _signal_name(-code)
+            self._events.emit(
+                "worker_exit", round=self._group_info.round, rank=spec.global_rank,
+                local_rank=spec.local_rank, stopped=stopped, **fields,
+            )  # fmt: skip
+
+    def _note_restart(self, info: RendezvousInfo, reason: str) -> None:
+        """The ``restart`` event, and ``node_lost`` / ``join`` when the reason says so."""
+        lost = re.search(r"node (\S+) lost", reason)
+        if lost:
+            self._events.emit("node_lost", node=lost[1], round=info.round)
+        joining = re.search(r"(\d+) node\(s\) waiting to join", reason)
+        if joining:
+            self._events.emit("join", nodes=int(joining[1]), round=info.round + 1)
+        spent = reason.startswith(("worker failure", "hang"))
+        self._events.emit("restart", round=info.round, reason=_first_line(reason), spent=spent)
+
+    def _watch_steps(self, rdzv: Rendezvous, info: RendezvousInfo) -> None:
+        """Per-rank step and busy times from the progress counters (`meshrun.agent.stragglers`):
+        sampled every tick; every `STEP_TIMES_EVERY_S` this node publishes its ranks' times, and
+        node rank 0 checks the whole job's for stragglers (one warning line per straggler)."""
+        if self._watch is None or self._group is None:
+            return
+        now = time.monotonic()
+        for spec in self._group.specs:
+            p = self._watch.sample(spec.local_rank)
+            if p.heartbeats:
+                self._steps.observe(spec.global_rank, p.heartbeats, p.blocked_ns, now)
+        if now - self._steps_at < STEP_TIMES_EVERY_S:
+            return
+        self._steps_at = now
+        mine = self._steps.step_times()
+        if not mine:
+            return
+        merged = dict(mine)
+        if info.num_nodes > 1:
+            rdzv.publish_step_times(encode_step_times(mine).encode())
+            if info.node_rank != 0:
+                return
+            for value in rdzv.step_times():
+                try:
+                    merged.update(decode_step_times(value))
+                except ValueError:
+                    continue  # a bad value from the store: that node's times are left out
+            merged.update(mine)
+        for s in self._stragglers.check(merged):
+            say(f"warning: {s.describe()} (host of rank {s.rank}: "
+                f"{self._host_of(s.rank, info)})")  # fmt: skip
+            self._events.emit("straggler", round=info.round, rank=s.rank, step_s=s.step_s,
+                              busy_s=s.busy_s, median_s=s.median_s, steps=s.steps)  # fmt: skip
+
+    def _host_of(self, rank: int, info: RendezvousInfo) -> str:
+        lo, hi = info.rank_offset, info.rank_offset + info.local_world_size
+        return self.host if lo <= rank < hi else "another node"
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:
@@ -682,6 +790,7 @@ class Agent:
         self._watch = None
         if self._group is not None:
             self._group.stop(self.config.shutdown_timeout, death_sig=self._signal)
+            self._note_exits()
             self._group = None
         return 128 + self._signal
 
@@ -693,6 +802,22 @@ _PEER_LOST = re.compile(
     r"remote process exited|NCCL communicator was aborted",
     re.IGNORECASE,
 )
+
+
+#: Seconds between two publications of a node's step times (and straggler checks).
+STEP_TIMES_EVERY_S = 2.0
+
+
+def _first_line(text: str, max_chars: int = 200) -> str:
+    line = text.strip().split("\n", 1)[0] if text else ""
+    return line if len(line) <= max_chars else line[: max_chars - 3] + "..."
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _place(f: WorkerFailure) -> str:

@@ -283,6 +283,17 @@ class WorkerGroup:
                 return []
             return [(w.spec, w.proc.pid) for w in self._workers if not _has_exited(w)]
 
+    def outcomes(self) -> list[tuple[WorkerSpec, int | None, bool]]:
+        """``(spec, exit code, stopped)`` of each worker, in spec order: the code as
+        ``Popen.returncode`` (None while running), and whether :meth:`stop` ended it (it had
+        not exited on its own before the stop signalled the group)."""
+        with self._cond:
+            before = self._exited_before_stop
+            return [
+                (w.spec, w.exitcode, before is not None and w.spec.global_rank not in before)
+                for w in self._workers
+            ]
+
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the process group of every worker that has not exited (a no-op
         after :meth:`stop`, which reaps them)."""

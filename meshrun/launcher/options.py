@@ -152,11 +152,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
          help="Prefix of console lines, e.g. '[${role_name}${rank}]:' (${role_name}, "
               "${rank}, ${local_rank}). Default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, "
               "else [host:rank]."),
+    _opt("event_log_handler", group=OUTPUT, default="null", metavar="null|console",
+         help="Every agent writes its events (rounds, workers, failures, restarts, hangs, "
+              "stragglers) to events.jsonl in its log directory, for 'meshrun timeline'; "
+              "console also prints each on stderr."),
     # -- no effect --------------------------------------------------------------------------
     _opt("start_method", group=NO_EFFECT, default="spawn", metavar="spawn|fork|forkserver",
          help="Workers are always fresh processes."),
-    _opt("event_log_handler", group=NO_EFFECT, default="null", metavar="NAME",
-         help="torch's event-log plugin name."),
     _opt("logs_specs", group=NO_EFFECT, pet=False, metavar="NAME",
          help="torchrun's LogsSpecs plugin name."),
     _opt("numa_binding", group=NO_EFFECT, pet=False, metavar="MODE",

@@ -530,6 +530,23 @@ class Rendezvous:
                 self._raise_if_ended(new)
                 return reason
 
+    def publish_step_times(self, value: bytes) -> None:
+        """Publish this node's ranks' recent step times (an opaque value, for the straggler
+        check and ``meshrun status``) for the current round; replaces its last value. One
+        read and one write; only this node writes its key."""
+        key = self._round_key(self.info.round, "steps", self.info.node_rank)
+        current = self.store.get(key)
+        self.store.compare_and_set(key, current.version if current else 0, value)
+
+    def step_times(self, round: int | None = None) -> list[bytes]:
+        """Every member's last published step times of ``round`` (default: this node's
+        current round), one value per node that published; one read per member."""
+        round = self.info.round if round is None else round
+        closed = self.store.get(self._round_key(round, "closed"))
+        n = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
+        keys = [self._round_key(round, "steps", r) for r in range(n)]
+        return [item.value for item in self._get_existing(keys)]
+
     def publish_failures(self, records: list[dict]) -> None:
         """Publish this node's worker failures of the current round (for the job report).
 

@@ -293,3 +293,43 @@ def test_ipv6_endpoint_in_brackets(job_factory):
     records = job.wait_records(in_round(0, 2))
     assert sorted(r["rank"] for r in records) == [0, 1]
     assert job.finish() == [0, 0], job.logs()
+
+
+def test_timeline_of_a_failure_a_restart_and_a_node_loss(job_factory):
+    """Two agents: rank 1 fails once (a restart spent), then one node is killed (lost, a new
+    round alone). ``meshrun timeline`` over the log dir holds those events in that order, and
+    its picture is well-formed SVG with a band per round."""
+    import xml.etree.ElementTree as ET
+
+    job = job_factory("1:2")
+    logs = job.tmp / "logs"
+    extra = ("--max-restarts", "1", "--log-dir", str(logs))
+    env = {"FAIL_RANK": "1", "FAIL_ATTEMPT": "0"}
+    host = job.node(*extra, env=env)
+    job.wait_for_store()
+    other = job.node(*extra, env=env)
+    job.wait_records(lambda rs: any(r["torchelastic_restart_count"] == 1 for r in rs)
+                     and full_round(2)(rs))  # fmt: skip
+    before = last_round(job.read_records())
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait(10)
+    job.wait_records(full_round(1, after=before), timeout=30)
+    job.stop_file.touch()
+    assert host.wait(60) == 0, job.logs()
+    picture, trace = job.tmp / "timeline.html", job.tmp / "trace.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "meshrun", "timeline", str(logs), "-o", str(picture),
+         "--trace", str(trace)], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "i"]
+    names = [e["name"] for e in sorted(events, key=lambda e: e["ts"])]
+    failure = next(i for i, n in enumerate(names) if n.startswith("failure"))
+    restart = next(i for i, n in enumerate(names) if n.startswith("restart") and i > failure)
+    lost = next(i for i, n in enumerate(names) if n.startswith("node_lost"))
+    assert failure < restart < lost, names
+    svg = picture.read_text()
+    root = ET.fromstring(svg[svg.index("<svg") : svg.index("</svg>") + len("</svg>")])
+    bands = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "band"]
+    assert len(bands) >= 3, [g.attrib for g in bands]  # rounds 0, 1 and the one after the loss

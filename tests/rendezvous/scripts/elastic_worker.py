@@ -2,7 +2,8 @@
 
 Usage: elastic_worker.py RECORDS_FILE STOP_FILE. Appends one JSON line per (round, rank) to
 RECORDS_FILE, then waits until STOP_FILE exists (60 s at most), then exits 0. The rank named by
-the env var FAIL_RANK exits 7 instead, after a line on stderr.
+the env var FAIL_RANK exits 7 instead, after a line on stderr (only on restart FAIL_ATTEMPT
+when that is set).
 
 Exits with ``os._exit``: torch 2.13 + gloo sometimes aborts in its C++ teardown at interpreter
 exit ("terminate called without an active exception", SIGABRT), which would turn the exit code
@@ -31,7 +32,10 @@ record["sum"] = int(total.item())
 with open(records, "a") as f:
     f.write(json.dumps(record) + "\n")
 print(f"ready rank={record['rank']} round={record['meshrun_round']}", flush=True)
-if os.environ.get("FAIL_RANK") == str(record["rank"]):
+attempt = os.environ.get("FAIL_ATTEMPT", str(record["torchelastic_restart_count"]))
+if os.environ.get("FAIL_RANK") == str(record["rank"]) and attempt == str(
+    record["torchelastic_restart_count"]
+):
     print(f"deliberate failure of rank {record['rank']}", file=sys.stderr, flush=True)
     os._exit(7)
 deadline = time.monotonic() + 60
