@@ -734,8 +734,7 @@ class Agent:
                     continue  # a bad value from the store: that node's times are left out
             merged.update(mine)
         for s in self._stragglers.check(merged):
-            say(f"warning: {s.describe()} (host of rank {s.rank}: "
-                f"{self._host_of(s.rank, info)})")  # fmt: skip
+            say(f"warning: {s.describe()} (rank {s.rank} is on {self._host_of(s.rank, info)})")
             self._events.emit("straggler", round=info.round, rank=s.rank, step_s=s.step_s,
                               busy_s=s.busy_s, median_s=s.median_s, steps=s.steps)  # fmt: skip
 

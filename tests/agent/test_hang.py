@@ -134,3 +134,21 @@ def test_long_work_outside_busy_or_past_its_timeout_is_a_hang(launch, mode):
     result = launch.run([*args, str(SCRIPTS / "long_eval.py"), mode], timeout=50)
     assert result.returncode == 124, result.stderr
     assert "no progress" in result.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("slow", [1, -1])
+def test_a_straggler_gets_one_warning_line_and_equal_ranks_none(launch, slow):
+    result = launch.run(["--nproc-per-node", "2", str(SCRIPTS / "straggler.py"), str(slow)],
+                        timeout=80)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "is a straggler" in line]
+    if slow < 0:
+        assert warnings == [], result.stderr
+        return
+    assert len(warnings) == 1, result.stderr
+    m = re.search(r"rank 1 is a straggler: busy ([\d.]+) ms of each ([\d.]+) ms step, the other "
+                  r"ranks' median ([\d.]+) ms", warnings[0])  # fmt: skip
+    assert m, warnings
+    busy, step, median = map(float, m.groups())
+    assert busy >= 90 and median < busy / 2 and step >= busy, warnings
