@@ -5,6 +5,7 @@
 Prints the job's round, restart count and status, the nodes of the running round with their
 node ranks (from ``r<round>/closed``) and whether each is alive (etcd: the node's lease and the
 seconds since its last keep-alive; c10d: its heartbeat counter sampled twice, a moment apart),
+each rank's recent step and busy time (``r<round>/steps/<node rank>``, for ranks that beat),
 and the nodes waiting to join the next round. It only reads: on etcd it joins no lease, so
 looking never keeps a finished job's keys alive; on c10d it connects as a client of the
 agent-hosted store (``is_host=False``).
@@ -131,8 +132,34 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
                 f"  node rank {rank}: {m['node_id']}  addr {m['addr']}  nproc {m['nproc']}  "
                 f"{alive[m['node_id']]}"
             )
+        lines.extend(_step_times(store, round_key, len(members)))
     waiting = store.count(f"{prefix}r{state.round + 1}/node/")
     lines.append(f"waiting: {waiting} node(s) for round {state.round + 1}")
+    return lines
+
+
+def _step_times(store, round_key: str, num_nodes: int) -> list[str]:
+    """Each rank's recent step time and busy time (what the straggler check sees; published by
+    every node's agent every few seconds), or nothing before the first steps."""
+    from meshrun.agent.stragglers import decode_step_times
+
+    times = {}
+    for node_rank in range(num_nodes):
+        item = store.get(f"{round_key}steps/{node_rank}")
+        if item is None:
+            continue
+        try:
+            times.update(decode_step_times(item.value))
+        except ValueError:
+            continue  # a malformed value: that node's ranks are left out
+    if not times:
+        return []
+    lines = ["step times (median of recent steps; busy = not waiting for peers):"]
+    for rank, t in sorted(times.items()):
+        lines.append(
+            f"  rank {rank}: step {t.step_s * 1e3:.1f} ms, busy {t.busy_s * 1e3:.1f} ms, "
+            f"{t.steps} steps"
+        )
     return lines
 
 

@@ -92,3 +92,46 @@ def test_c10d_job_membership(tmp_path):
         assert job.finish() == [0], job.logs()
     finally:
         job.cleanup()
+
+
+def test_c10d_status_shows_each_ranks_step_times(tmp_path):
+    import time
+
+    from support import free_port as port_for
+
+    port, stop, ready = port_for(), tmp_path / "stop", tmp_path / "ready"
+    script = Path(__file__).parent / "scripts" / "steady_steps.py"
+    procs = []
+    try:
+        for n in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                 "steps", "--rdzv-conf", "last_call_timeout=0.5", "--monitor-interval", "0.1",
+                 str(script), str(stop), str(ready)],
+                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+            ))  # fmt: skip
+            if n == 0:
+                time.sleep(1.0)  # the first agent hosts the store
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and len(ready.read_text().split()) == 2):
+            assert time.monotonic() < deadline, [p.poll() for p in procs]
+            time.sleep(0.1)
+        while True:  # the agents publish every 2 s
+            done = status("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                          "--rdzv-id", "steps", torch_ok=True)  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            if done.stdout.count(" ms, busy ") == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert "step times" in done.stdout, done.stdout
+        for rank in (0, 1):
+            assert f"  rank {rank}: step " in done.stdout, done.stdout
+        stop.touch()
+        assert [p.wait(60) for p in procs] == [0, 0], [p.stderr.read() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
