@@ -146,6 +146,8 @@ class Agent:
         self._steps = StepTimes()
         self._stragglers = Stragglers()
         self._steps_at = 0.0  # monotonic time this node last published its step times
+        self._stacks_polled_at = 0.0  # ... last looked for a `meshrun stacks` request
+        self._stacks_answered: str | None = None  # the id of the last request answered
         self._signal: int | None = None
         self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
@@ -379,6 +381,7 @@ class Agent:
                         reason = self._on_hang(rdzv, hung)
                     else:
                         self._watch_steps(rdzv, info)
+                        self._answer_stacks(rdzv, info)
                         reason = rdzv.poll()
                 except _Stopped:  # signals win over failures: nothing spent, exit 128+N
                     return self._stop_by_signal()
@@ -738,6 +741,22 @@ class Agent:
             self._events.emit("straggler", round=info.round, rank=s.rank, step_s=s.step_s,
                               busy_s=s.busy_s, median_s=s.median_s, steps=s.steps)  # fmt: skip
 
+    def _answer_stacks(self, rdzv: Rendezvous, info: RendezvousInfo) -> None:
+        """Every `STACKS_POLL_S`, look for a ``meshrun stacks`` request in the store (multi-node
+        jobs: a one-node job's store is in this process, and ``meshrun stacks LOGDIR`` reads
+        the workers directly); answer a new one with this node's ranks' places and stacks
+        (taken as for a failure report, at most `STACKS_TIMEOUT_S`; the job goes on)."""
+        now = time.monotonic()
+        if info.num_nodes == 1 or now - self._stacks_polled_at < STACKS_POLL_S:
+            return
+        self._stacks_polled_at = now
+        request = rdzv.stacks_request()
+        if request is None or request == self._stacks_answered:
+            return
+        self._stacks_answered = request
+        records = [self._record(f) for f in self._take_stacks()]
+        rdzv.publish_stacks(request, json.dumps(records).encode())
+
     def _host_of(self, rank: int, info: RendezvousInfo) -> str:
         lo, hi = info.rank_offset, info.rank_offset + info.local_world_size
         return self.host if lo <= rank < hi else "another node"
@@ -805,6 +824,8 @@ _PEER_LOST = re.compile(
 
 #: Seconds between two publications of a node's step times (and straggler checks).
 STEP_TIMES_EVERY_S = 2.0
+#: Seconds between two looks for a ``meshrun stacks`` request (one store read each).
+STACKS_POLL_S = 1.0
 
 
 def _first_line(text: str, max_chars: int = 200) -> str:

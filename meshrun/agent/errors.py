@@ -36,6 +36,8 @@ __all__ = [
     "PUBLISHED_MAX_BYTES",
     "WorkerFailure",
     "cut_middle",
+    "culprits",
+    "format_places",
     "format_report",
     "read_error_file",
     "root_cause",
@@ -333,16 +335,26 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
             )
     if stopped:
         lines.append(f"Stopped ranks ({len(stopped)}), where each was:")
-        for f in stopped:
-            lines.extend(_stopped_lines(f, f.global_rank in blamed))
+        lines.extend(format_places(stopped, blamed))
     elif blamed == [] and why:
         lines.append(f"Note: {why}")
     lines.append(rule)
     return "\n".join(lines)
 
 
-def _stopped_lines(f: WorkerFailure, blamed: bool) -> list[str]:
-    """One stopped (or other hung) rank: its place, then its main thread's innermost frames."""
+def format_places(records: Sequence[WorkerFailure], blamed: Sequence[int] = ()) -> list[str]:
+    """Where each rank of ``records`` was (its place, the innermost frame of its own code,
+    where its full stack is, its main thread's innermost frames), the ranks in ``blamed``
+    marked as the likely cause; two spaces of indent. Used by the failure report (stopped
+    ranks) and by ``meshrun stacks`` (every rank, live)."""
+    lines: list[str] = []
+    for f in records:
+        lines.extend(_place_lines(f, f.global_rank in blamed))
+    return lines
+
+
+def _place_lines(f: WorkerFailure, blamed: bool) -> list[str]:
+    """One rank: its place, then its main thread's innermost frames."""
     if f.state == "waiting":
         place = f"waiting in {f.collective or 'a collective'}"
     elif f.state == "running":

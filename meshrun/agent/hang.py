@@ -47,6 +47,15 @@ class Progress:
     blocked_ns: int = 0  # time spent blocked in them, in all
 
 
+def read_progress(path: Path) -> Progress | None:
+    """The counters in the progress file at ``path``, or None when it cannot be read."""
+    try:
+        beats, busy, issued, blocked, blocked_ns = _SLOTS.unpack(path.read_bytes()[:PROGRESS_BYTES])
+    except (OSError, struct.error):
+        return None
+    return Progress(beats, busy, issued, blocked > 0, blocked_ns)
+
+
 @dataclass
 class _Watched:
     path: Path
@@ -97,13 +106,7 @@ class ProgressWatch:
     def sample(self, local_rank: int) -> Progress:
         """The rank's counters now (the last ones read when the file cannot be read)."""
         w = self._ranks[local_rank]
-        try:
-            beats, busy, issued, blocked, blocked_ns = _SLOTS.unpack(
-                w.path.read_bytes()[: PROGRESS_BYTES]
-            )
-        except (OSError, struct.error):
-            return w.last
-        w.last = Progress(beats, busy, issued, blocked > 0, blocked_ns)
+        w.last = read_progress(w.path) or w.last
         return w.last
 
     def check(self) -> list[Hang]:

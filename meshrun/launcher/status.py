@@ -48,7 +48,7 @@ STATUS_READ_TIMEOUT = 5.0  # seconds, unless --rdzv-conf read_timeout= says othe
                    "with a shared secret; for etcd cacert/cert/key/user/password_file "
                    "(or MESHRUN_ETCD_PASSWORD)/insecure.")  # fmt: skip
 def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
-    from meshrun.rendezvous import RendezvousError, settings_from_conf
+    from meshrun.rendezvous import RendezvousError
 
     try:
         backend = parse_rdzv_backend(backend)
@@ -58,18 +58,9 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
         conf, _ = parse_rdzv_conf(conf_text)
     except ValueProblem as e:
         raise e.at(f"--rdzv-conf {conf_text}") from None
-    try:
-        settings = settings_from_conf(conf, run_id=run_id, min_nodes=1, max_nodes=2, max_restarts=0)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if "read_timeout" not in conf:
-        settings = replace(settings, read_timeout=STATUS_READ_TIMEOUT)
-    from meshrun.rendezvous.auth import AuthenticatedStore, load_secret
+    settings, secret = open_settings(conf, run_id)
+    from meshrun.rendezvous.auth import AuthenticatedStore
 
-    try:
-        secret = load_secret(settings.extra)  # the job's shared secret, when it has one
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     prefix = f"/meshrun/{run_id}/"
     try:
         store = _open(backend, endpoint, settings)
@@ -91,6 +82,25 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
     for line in lines:
         click.echo(line)
     return 0
+
+
+def open_settings(conf: dict, run_id: str):
+    """The rendezvous settings a client of a job's store needs (`STATUS_READ_TIMEOUT` unless
+    ``read_timeout`` is given), and the job's shared secret (None without one).
+
+    Raises:
+        ConfigError: a bad ``--rdzv-conf`` value or secret.
+    """
+    from meshrun.rendezvous import settings_from_conf
+    from meshrun.rendezvous.auth import load_secret
+
+    try:
+        settings = settings_from_conf(conf, run_id=run_id, min_nodes=1, max_nodes=2, max_restarts=0)
+        if "read_timeout" not in conf:
+            settings = replace(settings, read_timeout=STATUS_READ_TIMEOUT)
+        return settings, load_secret(settings.extra)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _open(backend: str, endpoint: str, settings):

@@ -7,14 +7,20 @@ script called ``status`` still runs). A subcommand is a `click.Command`; registe
     from meshrun.launcher.status import status   # a click.Command
     SUBCOMMANDS["status"] = status
 
-Registered: ``status`` (`meshrun.launcher.status`), ``timeline`` (`meshrun.launcher.timeline`).
+Registered: ``status`` (`meshrun.launcher.status`), ``stacks`` (`meshrun.launcher.stacks`),
+``timeline`` (`meshrun.launcher.timeline`).
 """
 
 from __future__ import annotations
 
 import click
 
+from meshrun.launcher.stacks import stacks
 from meshrun.launcher.status import status
 from meshrun.launcher.timeline import timeline
 
-SUBCOMMANDS: dict[str, click.Command] = {"status": status, "timeline": timeline}
+SUBCOMMANDS: dict[str, click.Command] = {
+    "stacks": stacks,
+    "status": status,
+    "timeline": timeline,
+}

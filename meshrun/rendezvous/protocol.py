@@ -163,6 +163,17 @@ def _finished(state: JobState) -> str:
 # -- the protocol -----------------------------------------------------------------------------
 
 
+def stacks_request_key(prefix: str) -> str:
+    """Where ``meshrun stacks`` asks a job for its ranks' stacks: ``{"id": ..., "round": N}``
+    (``prefix`` is the job's, ``/meshrun/<run id>/``)."""
+    return f"{prefix}stacks/request"
+
+
+def stacks_answer_key(prefix: str, request_id: str, node_rank: int) -> str:
+    """Where node ``node_rank`` answers stacks request ``request_id``."""
+    return f"{prefix}stacks/{request_id}/{node_rank}"
+
+
 class Rendezvous:
     """One agent's side of the protocol.
 
@@ -529,6 +540,19 @@ class Rendezvous:
             if ok:
                 self._raise_if_ended(new)
                 return reason
+
+    def stacks_request(self) -> str | None:
+        """The id of the latest live-stacks request (``meshrun stacks``), or None. One read."""
+        item = self.store.get(stacks_request_key(self._prefix))
+        if item is None:
+            return None
+        request = decode_json(item.value, "a stacks request")
+        return request.get("id") if isinstance(request, dict) else None
+
+    def publish_stacks(self, request_id: str, value: bytes) -> None:
+        """Answer live-stacks request ``request_id`` with this node's ranks' stacks (opaque)."""
+        key = stacks_answer_key(self._prefix, request_id, self.info.node_rank)
+        self.store.set_once(key, value)
 
     def publish_step_times(self, value: bytes) -> None:
         """Publish this node's ranks' recent step times (an opaque value, for the straggler
