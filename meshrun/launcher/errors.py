@@ -15,10 +15,14 @@ import re
 EXIT_USAGE = 2  # DESIGN.md §3.4: usage or config error, nothing was started
 
 # ``password=VALUE`` (quoted or not), or ``'password': 'VALUE'`` as a dict is shown (quoted);
-# also secret, token
+# also secret, token. An unquoted value runs on past commas up to the next ``key=`` entry (a
+# password with a comma in ``--rdzv-conf user=u,password=ab,cd`` is all of ``ab,cd``), and
+# leaves a colon that ends the value (``...password=VALUE: the problem``) in place.
+_PIECE = r"""(?:[^,\s;}:]|:(?!\s|$))"""
 _SECRET = re.compile(
     r"""(?i)\b(password|passwd|secret|token)"""
-    r"""(?:(['"]?\s*=\s*)("[^"]*"|'[^']*'|[^,\s;}]*)|(['"]\s*:\s*)("[^"]*"|'[^']*'))"""
+    rf"""(?:(['"]?\s*=\s*)("[^"]*"|'[^']*'|{_PIECE}*(?:,(?![\w.-]+\s*=){_PIECE}+)*)"""
+    r"""|(['"]\s*:\s*)("[^"]*"|'[^']*'))"""
 )
 
 

@@ -225,6 +225,9 @@ def parse_rdzv_backend(value: str) -> str:
     return name
 
 
+_SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token")
+
+
 def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
     """``"k=v,k2=v2"`` -> ``({"k": "v", "k2": "v2"}, notes)``, values kept as strings.
 
@@ -240,12 +243,20 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
     text = value.strip()
     if not text:
         return conf, notes
+    previous = ""
     for entry in text.split(","):
         key, sep, val = entry.partition("=")
         key, val = key.strip(), val.strip()
+        if not sep and _SECRET_KEY.search(previous):  # the rest of a password with a comma
+            raise ValueProblem(
+                f"an entry after {previous!r} has no '=' (a comma in the value?)",
+                "give it without commas"
+                + (", or in a file (password_file=PATH)" if previous == "password" else ""),
+            )
         if not sep or not key or not val:
             what = "no '='" if not sep else ("an empty key" if not key else "an empty value")
             raise ValueProblem(f"entry {entry.strip()!r} has {what}", fix)
+        previous = key
         if key in conf:
             raise ValueProblem(f"key {key!r} is given twice", "give each key once")
         conf[key] = val

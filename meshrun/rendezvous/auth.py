@@ -76,7 +76,7 @@ def load_secret(conf: dict[str, str], environ=os.environ) -> bytes | None:
         raw = _read_secret_file(path)
         where = f"--rdzv-conf secret_file={path}"
     elif SECRET_ENV in environ:
-        raw = environ[SECRET_ENV].encode()
+        raw = os.fsencode(environ[SECRET_ENV])  # its bytes, also when not UTF-8
         where = SECRET_ENV
     else:
         return None
@@ -194,8 +194,9 @@ class AuthenticatedStore(Store):
             self._warned.add(key)
             log.warning(
                 "meshrun: rejected a rendezvous value of %s that is not sealed with this job's "
-                "secret (%r...): a program without the secret writes to the job's store; it is "
-                "ignored", key, bytes(raw)[:24],
+                "secret (%r...): a node started with a different secret (give every node the "
+                "same secret_file or %s), or a program without the secret, writes to the job's "
+                "store; it is ignored", key, bytes(raw)[:24], SECRET_ENV,
             )  # fmt: skip
 
     def _unseal(self, key: str, item: Versioned | None) -> Versioned | None:

@@ -58,6 +58,7 @@ import base64
 import json
 import math
 import os
+import stat
 import threading
 import time
 import uuid
@@ -196,15 +197,20 @@ def _read_password_file(path: str) -> str:
         ValueError: missing, unreadable, not a regular file, or empty; one line.
     """
     where = f"--rdzv-conf password_file={path}"
-    try:
-        with open(path, "rb") as f:
-            if not os.path.isfile(path):
-                raise ValueError(f"{where}: not a regular file")
-            text = f.read(64 * 1024).strip()
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ValueError(f"{where}: no such file") from None
     except OSError as e:
         raise ValueError(f"{where}: cannot read it: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # the file opened, not the path again
+            raise ValueError(f"{where}: not a regular file")
+        text = os.read(fd, 64 * 1024).strip()
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read it: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
     if not text:
         raise ValueError(f"{where}: the file is empty")
     return text.decode(errors="replace")

@@ -4,6 +4,7 @@ password over plain http without ``insecure=true``; for ``meshrun`` and ``meshru
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "loose").chmod(0o644)
     (tmp_path / "pw").write_text("etcd-pass-word")
     (tmp_path / "pw").chmod(0o600)
+    os.mkfifo(tmp_path / "fifo")  # opening it for reading would wait for a writer forever
     return tmp_path
 
 
@@ -39,6 +41,8 @@ CASES = {
                                     "insecure=true"),
     "missing password file": (ETCD, "user=u,password_file=nope,insecure=true", {},
                               "no such file"),
+    "password file is a FIFO": (ETCD, "user=u,password_file=fifo,insecure=true", {},
+                                "not a regular file"),
 }  # fmt: skip
 
 
@@ -64,3 +68,33 @@ def test_status_refuses_the_same(case: str, files: Path, run_meshrun):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and problem in lines[0], proc.stderr
     assert SECRET not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("where", ["flag", "PET_RDZV_CONF", "config file"])
+def test_password_with_a_comma_is_not_shown(where: str, files: Path, run_meshrun):
+    """``password=`` cannot hold a comma (entries are split on commas): the error line names
+    the fix and shows no part of the password, also the part after the comma."""
+    head, tail = SECRET[:12], SECRET[12:]
+    conf = f"user=u,password={head},{tail},insecure=true"
+    args, env = [*ETCD], {}
+    if where == "flag":
+        args += ["--rdzv-conf", conf]
+    elif where == "PET_RDZV_CONF":
+        env["PET_RDZV_CONF"] = conf
+    else:
+        (files / "c.toml").write_text(f'rdzv_conf = "{conf}"\n')
+        args += ["--config", "c.toml"]
+    proc = run_meshrun([*args, "train.py"], files, **env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "password_file" in lines[0], proc.stderr
+    assert head not in proc.stderr and tail not in proc.stderr, proc.stderr
+    assert not (files / "started").exists()
+
+
+def test_non_utf8_secret_variable_is_used(files: Path):
+    """A ``MESHRUN_RDZV_SECRET`` that is not UTF-8 is its bytes (as a file's would be), not an
+    encoding error."""
+    from meshrun.rendezvous.auth import load_secret
+
+    raw = b"\xff\xfe" + SECRET.encode()
+    assert load_secret({}, {"MESHRUN_RDZV_SECRET": os.fsdecode(raw)}) == raw
