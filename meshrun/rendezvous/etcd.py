@@ -150,6 +150,14 @@ class EtcdOptions:
         tls = any(conf.get(k) for k in ("cacert", "cert", "key"))
         if protocol and protocol not in ("http", "https"):
             raise ValueError(f"--rdzv-conf protocol={protocol}: expected http or https")
+        # a scheme in the endpoint (https://host:2379) says the protocol too: never dropped
+        schemes = {m.split("://")[0].lower() for m in endpoint.split(",") if "://" in m}
+        if len(schemes) > 1 or (schemes and protocol and schemes != {protocol}):
+            raise ValueError(
+                f"--rdzv-endpoint {endpoint}: its schemes and --rdzv-conf protocol= disagree; "
+                "give one protocol for every member"
+            )
+        protocol = protocol or next(iter(schemes), "")
         if bool(conf.get("cert")) != bool(conf.get("key")):
             raise ValueError("--rdzv-conf cert and key: give both (a client certificate and its key)")
         if conf.get("password") and conf.get("password_file"):

@@ -98,3 +98,16 @@ def test_non_utf8_secret_variable_is_used(files: Path):
 
     raw = b"\xff\xfe" + SECRET.encode()
     assert load_secret({}, {"MESHRUN_RDZV_SECRET": os.fsdecode(raw)}) == raw
+
+
+def test_https_in_the_etcd_endpoint_is_https():
+    """``--rdzv-endpoint https://HOST:PORT`` is TLS, not plain http with its scheme dropped
+    (a password would then be refused as plain http, and without one it would go in clear)."""
+    from meshrun.rendezvous.etcd import EtcdOptions
+
+    assert EtcdOptions.from_conf("https://h:2379", {"user": "u"}, 5.0).protocol == "https"
+    assert EtcdOptions.from_conf("https://h:2379,https://g", {}, 5.0).protocol == "https"
+    assert EtcdOptions.from_conf("h:2379", {}, 5.0).protocol == "http"
+    for endpoint, conf in (("http://h,https://g", {}), ("https://h", {"protocol": "http"})):
+        with pytest.raises(ValueError, match="disagree"):
+            EtcdOptions.from_conf(endpoint, conf, 5.0)
