@@ -642,7 +642,8 @@ class Agent:
         shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
         redirect, tee = c.redirects.for_rank(local_rank), c.tee.for_rank(local_rank)
         prefix = ""
-        if tee:
+        shared = (c.nproc_per_node > 1 or c.max_nodes > 1) and not c.raw_console
+        if tee or shared:
             if c.log_line_prefix_template:
                 prefix = _template_prefix(c.log_line_prefix_template, c.role, rank, local_rank)
             else:

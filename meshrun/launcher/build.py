@@ -213,6 +213,7 @@ def build_config_and_notes(
             else None
         ),
         virtual_local_rank=flag("virtual_local_rank"),
+        raw_console=flag("raw_console"),
         hang_timeout=hang_timeout,
     )
     return config, notes

@@ -98,6 +98,7 @@ class LaunchConfig:
     logs_specs: str | None = None
     numa_binding: str | None = None
     virtual_local_rank: bool = False
+    raw_console: bool = False
 
     # -- meshrun's own ---------------------------------------------------------------------
     hang_timeout: float | None = None

@@ -152,6 +152,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
          help="Prefix of console lines, e.g. '[${role_name}${rank}]:' (${role_name}, "
               "${rank}, ${local_rank}). Default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, "
               "else [host:rank]."),
+    _opt("raw_console", group=OUTPUT, is_flag=True, default=False,
+         help="Console lines exactly as the workers wrote them (torchrun's default). "
+              "Default: each line starts with [host:rank] when several ranks may share the "
+              "console (more than one worker per node, or more than one node)."),
     _opt("event_log_handler", group=OUTPUT, default="null", metavar="null|console",
          help="Every agent writes its events (rounds, workers, failures, restarts, hangs, "
               "stragglers) to events.jsonl in its log directory, for 'meshrun timeline'; "

@@ -34,6 +34,11 @@ CONTRACT = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
     "MESHRUN_ROUND",
+    # meshrun's own: the progress counters and stack file the agent reads (hang detection,
+    # straggler check, failure reports), meshrun.parallel writes
+    "MESHRUN_PROGRESS_FILE",
+    "MESHRUN_STACK_FILE",
+    "MESHRUN_STACK_SIGNAL",
 }
 
 
