@@ -362,7 +362,17 @@ class Rendezvous:
                 # and step in only when it has not closed within dead_after (it may have died).
                 if self._is_closer(joined, count) or (step_in_at is not None and now >= step_in_at):
                     if not self._try_close(target, count, joined, last_call_at):
-                        # counted entries that fail the secret's check: wait for real joiners
+                        # counted entries that fail the secret's check: wait for real joiners,
+                        # within the join timeout still (a forger, or a node with another
+                        # secret, must not keep this node waiting for ever)
+                        if now >= deadline:
+                            raise RendezvousTimeoutError(
+                                f"join timeout: round {target} counted {joined} joiner(s), but "
+                                "fewer carry the job's secret (a node started with a different "
+                                "secret, or another program writing to the store), within "
+                                f"join_timeout={s.join_timeout:g} s; give every node the same "
+                                "secret_file or MESHRUN_RDZV_SECRET"
+                            )
                         self.store.wait_for_change(closed_key, 0, s.keep_alive_interval)
                     continue
                 step_in_at = step_in_at or now + s.dead_after
@@ -440,7 +450,14 @@ class Rendezvous:
         master_key = self._round_key(target, "master")
         if node_rank == 0:
             addr, port = self._host_bootstrap()
-            self.store.set_once(master_key, f"{addr}:{port}".encode())
+            ours = f"{addr}:{port}".encode()
+            stored = self.store.set_once(master_key, ours)
+            if bytes(stored.value) != ours:  # only node rank 0 writes it: someone else did
+                raise RendezvousError(
+                    f"round {target}'s master address in the store is not this node's "
+                    "(another program wrote it first, perhaps a value replayed from an earlier "
+                    "run with the same --rdzv-id and secret); give each run its own --rdzv-id"
+                )
         else:
             item = self._wait_for_master(target, members[0].node_id)
             if item is None:
@@ -631,10 +648,18 @@ class Rendezvous:
         if done >= info.num_nodes and self._all_succeeded():
             self._finish_job()
             return None
+        recheck_at = self._clock() + self.settings.dead_after
         while True:
             if self.store.wait_for_change(alldone, 0, tick) is not None:
                 return None
             self._heartbeat.check()
+            if info.node_rank == 0 and self._clock() >= recheck_at:
+                # the count (a counter another program can move) may never reach N; the sealed
+                # succeeded keys decide: node rank 0 looks at them every dead_after seconds
+                recheck_at = self._clock() + self.settings.dead_after
+                if self._all_succeeded(warn=False):
+                    self._finish_job()
+                    return None
             state, _ = self.read_state()
             if state.status == SUCCEEDED:
                 return None
@@ -646,19 +671,25 @@ class Rendezvous:
                 reason = self.request_restart(f"node {lost} lost", failure=False)
                 return None if self.read_state()[0].status == SUCCEEDED else reason
 
-    def _all_succeeded(self) -> bool:
+    def _all_succeeded(self, warn: bool = True) -> bool:
         """Whether every member of this round wrote its ``succeeded`` key: the count of the
         exit barrier (a counter) could have been moved by another program; these keys are
-        values, sealed with the job's secret where there is one. One multi-get, on the node
-        that counted last, once per job."""
+        values, sealed with the job's secret where there is one. One multi-get on the node that
+        counted last (once per job); reads up to the first missing key on node rank 0 while
+        it waits (every dead_after seconds: the count may have been moved down)."""
         info = self.info
         keys = [self._round_key(info.round, "succeeded", m.node_id) for m in info.nodes]
-        if all(item is not None for item in self.store.get_many(keys)):
-            return True
-        log.warning(
-            "meshrun: the exit barrier counts every member as done, but not every member's "
-            "workers succeeded: another program moved the count; waiting for the members"
-        )
+        if warn:  # the count says all are there: one multi-get
+            if all(item is not None for item in self.store.get_many(keys)):
+                return True
+        else:  # one by one (TCPStore's multi-get blocks on a gap), up to the first missing
+            if all(self.store.get(k) is not None for k in keys):
+                return True
+        if warn:
+            log.warning(
+                "meshrun: the exit barrier counts every member as done, but not every member's "
+                "workers succeeded: another program moved the count; waiting for the members"
+            )
         return False
 
     def _lost_member(self) -> str | None:

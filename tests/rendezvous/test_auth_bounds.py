@@ -3,8 +3,7 @@ stay a bounded denial of service: every wait still ends within the job's own tim
 
 On the in-memory store, real threads and clocks; the forger writes to the store under the
 AuthenticatedStore (``inner``), as a plain TCPStore client would. The ``xfail(strict=True)``
-tests are found breaks of meshrun/rendezvous/protocol.py (see each one): remove the marker
-with the fix.
+test is a known limit (see its reason): remove the marker with the fix.
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ def _in_thread(fn, *args):
     return thread, out
 
 
-@pytest.mark.xfail(strict=True, reason="protocol._wait_for_close: when _try_close finds fewer "
-                   "authentic entries than needed it loops without checking join_timeout")  # fmt: skip
 def test_a_forged_join_entry_does_not_disable_the_join_timeout():
     """One node of two waits; a forger adds one entry that fails the check. The count says two
     joined, the authentic entries say one: the join must still end at join_timeout (1 s)."""
@@ -74,8 +71,6 @@ def test_a_forged_join_entry_does_not_disable_the_join_timeout():
         node.close()
 
 
-@pytest.mark.xfail(strict=True, reason="same loop as above: two nodes with different secrets "
-                   "each see the other's entry as forged and wait forever")  # fmt: skip
 def test_two_nodes_with_different_secrets_end_at_the_join_timeout():
     store = MemoryStore()
     a, b = _node(store, "a"), _node(store, "b", secret=b"an0ther-s3cret-0123456789")
@@ -89,9 +84,6 @@ def test_two_nodes_with_different_secrets_end_at_the_join_timeout():
         b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="protocol.exit_barrier: the last node's done position "
-                   "(a counter, moved by the forger) decides whether anybody checks the sealed "
-                   "succeeded keys; nobody re-checks them while waiting")  # fmt: skip
 def test_a_moved_exit_barrier_counter_does_not_hang_the_job():
     """Both nodes' workers succeeded; a forger moved the exit barrier's counter down by one
     (``add(r0/done/n, -1)``), so the last node counts itself below N. Every member's sealed
