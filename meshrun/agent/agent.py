@@ -478,7 +478,9 @@ class Agent:
         blamed, why = culprits(records)
         first = root_cause(records)
         if blamed:
-            waiting = sorted(f.global_rank for f in records if f.state == "waiting")
+            waiting = sorted(
+                f.global_rank for f in records if f.state == "waiting" and f.global_rank not in blamed
+            )
             by_rank = {f.global_rank: f for f in records}
             named = "; ".join(f"rank {g} at {by_rank[g].at}" for g in blamed)
             say(f"hang: likely cause {named} ({why}); waiting: ranks {_ranges(waiting)}")

@@ -152,3 +152,21 @@ def test_a_straggler_gets_one_warning_line_and_equal_ranks_none(launch, slow):
     assert m, warnings
     busy, step, median = map(float, m.groups())
     assert busy >= 90 and median < busy / 2 and step >= busy, warnings
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_in_a_different_collective_is_named_the_culprit(launch):
+    """Ranks 0 and 2 wait in all_reduce, rank 1 in broadcast: every rank is inside a
+    collective, and the odd one out is the likely cause."""
+    result = launch.run(
+        ["--nproc-per-node", "3", "--hang-timeout", "3", "--shutdown-timeout", "2",
+         str(SCRIPTS / "mismatch.py"), "1"], timeout=80,
+    )  # fmt: skip
+    err = result.stderr
+    assert result.returncode == 124, err
+    assert re.search(r"hang: likely cause rank 1 at \S+mismatch.py:\d+ in <module> \(inside "
+                     r"distributed_c10d.py:\d+ in broadcast\) \(in a different collective from "
+                     r"the others' all_reduce\); waiting: ranks 0, 2", err), err  # fmt: skip
+    report = err[err.index("Root cause") :]
+    assert "  rank       : 1 (local rank 1)" in report
+    assert report.count("waiting in all_reduce") == 2
