@@ -86,8 +86,10 @@ class Launcher:
         stderr=subprocess.PIPE,
         text: bool = True,
         cwd: Path | None = None,
+        start_new_session: bool = False,
     ) -> subprocess.Popen:
-        """Start ``python -m meshrun ARGS``; returns the Popen (its pid is the agent's)."""
+        """Start ``python -m meshrun ARGS``; returns the Popen (its pid is the agent's; with
+        ``start_new_session`` also its process group's id)."""
         full_env = meshrun_env(**(env or {}))
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshrun", *args],
@@ -97,6 +99,7 @@ class Launcher:
             stdout=stdout,
             stderr=stderr,
             text=text,
+            start_new_session=start_new_session,
         )
         proc.launch_env = full_env  # what the agent was started with, for comparisons
         self.procs.append(proc)

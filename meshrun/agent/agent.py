@@ -149,6 +149,9 @@ class Agent:
         self._stacks_polled_at = 0.0  # ... last looked for a `meshrun stacks` request
         self._stacks_answered: str | None = None  # the id of the last request answered
         self._signal: int | None = None
+        self._warnings: list[tuple[int, float]] = []  # pass-through signals, monotonic time
+        self._reaper_saw: list[tuple[int, float]] = []  # ... that reached the reaper too
+        self._group_started_at = 0.0  # monotonic time the running group was started
         self._watch: ProgressWatch | None = None
         self._log_root: Path | None = None
         self._temp_logs = False
@@ -208,6 +211,9 @@ class Agent:
 
     def _run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in self.config.signals_to_handle}
+        for s in PASS_THROUGH:
+            if s not in self.config.signals_to_handle:
+                previous[s] = signal.signal(s, self._on_warning_signal)
         if self.config.hang_timeout is not None:
             say(
                 f"hang detection on (--hang-timeout {self.config.hang_timeout:g} s): a rank is "
@@ -365,6 +371,7 @@ class Agent:
                 result = self._group.wait(c.monitor_interval)
                 if self._signal is not None:
                     return self._stop_by_signal()
+                self._pass_on_warnings(reaper)
                 try:
                     bootstrap.check()  # before a failure it may explain
                     if result is not None and result.state is WorkerState.SUCCEEDED:
@@ -621,6 +628,7 @@ class Agent:
             say(f"{what} off for round {info.round}: cannot write a progress "
                 f"file ({e.strerror}: {e.filename}); is the log disk full?")
         self._group.start()
+        self._group_started_at = time.monotonic()
         self._steps.forget()
         self._stragglers.reset()
         self._events.emit(
@@ -771,6 +779,41 @@ class Agent:
         if self._signal is None:
             self._signal = signum
 
+    def _on_warning_signal(self, signum: int, frame) -> None:
+        # SIGUSR1/SIGUSR2, not in --signals-to-handle: the schedulers' "save soon"; recorded
+        # here, passed on by the run loop (`_pass_on_warnings`); the job goes on.
+        self._warnings.append((signum, time.monotonic()))
+
+    def _pass_on_warnings(self, reaper: Reaper) -> None:
+        """Give each worker a pass-through signal (SIGUSR1/2) the agent received, exactly once.
+
+        SLURM's proctrack/linuxproc and cgroup signal every process of the job step, so the
+        workers got it already; proctrack/pgid and a ``kill`` aimed at the agent reach the
+        agent (and its process group) only. The reaper, in a session of its own, tells the
+        two apart: it got the signal too only in the first case. The agent decides
+        `_PROBE_WINDOW_S` after the signal came, and forwards it to every worker's process
+        group in the second case."""
+        now = time.monotonic()
+        self._reaper_saw += [(signum, now) for signum in reaper.signals_seen()]
+        self._reaper_saw = [(n, t) for n, t in self._reaper_saw if now - t < 4 * _PROBE_WINDOW_S]
+        while self._warnings and now - self._warnings[0][1] >= _PROBE_WINDOW_S:
+            signum, at = self._warnings.pop(0)
+            name = _signal_name(signum)
+            step_wide = next((i for i, (n, t) in enumerate(self._reaper_saw)
+                              if n == signum and abs(t - at) <= 2 * _PROBE_WINDOW_S), None)  # fmt: skip
+            passed = False
+            if step_wide is not None:
+                del self._reaper_saw[step_wide]
+                say(f"received {name}, sent to the whole job step: the workers got it too; "
+                    "the job goes on")  # fmt: skip
+            elif self._group is not None and at >= self._group_started_at:
+                self._group.signal(signum)
+                passed = True
+                say(f"received {name}: passed to every worker; the job goes on")
+            else:
+                say(f"received {name} while no worker ran; the job goes on")
+            self._events.emit("signal", signal=name, passed_on=passed)
+
     def _raise_if_signalled(self) -> None:
         """Raise `_Stopped` when a handled signal arrived (checked before spending anything)."""
         if self._signal is not None:
@@ -825,6 +868,11 @@ _PEER_LOST = re.compile(
 )
 
 
+#: The schedulers' warning signals (SLURM ``--signal=USR1@N``): passed to the workers once and
+#: the job goes on, unless listed in --signals-to-handle (then torchrun's meaning: stop).
+PASS_THROUGH = (signal.SIGUSR1, signal.SIGUSR2)
+#: Seconds the agent waits after a warning signal to learn whether the reaper got it too.
+_PROBE_WINDOW_S = 0.3
 #: Seconds between two publications of a node's step times (and straggler checks).
 STEP_TIMES_EVERY_S = 2.0
 #: Seconds between two looks for a ``meshrun stacks`` request (one store read each).

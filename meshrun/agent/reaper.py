@@ -37,7 +37,8 @@ No pid is signalled after it was reaped
     while the group's leader is unreaped (its pidfd still reaches it: the id cannot have
     been reused), or when it started before the agent's death was seen (a reused id can only
     be taken after the leader was reaped, which is after that). The reaper ignores
-    SIGINT, SIGTERM and SIGHUP and lives in its own session, so terminal signals and a kill
+    SIGINT, SIGTERM and SIGHUP, survives SIGUSR1 and SIGUSR2 (telling the agent it got one:
+    `Reaper.signals_seen`), and lives in its own session, so terminal signals and a kill
     of the agent's process group do not take it out before its job is done. It exits when the
     agent closes the pipe either way, so it never outlives the agent.
 
@@ -57,6 +58,10 @@ import os
 import signal
 import sys
 import time
+
+#: The warning signals schedulers send (SLURM's ``--signal``, ``scancel -s``): the reaper
+#: survives them and tells the agent it got one.
+PROBED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 if __name__ != "__main__":
     # The agent side. The reaper process itself (run as a script) needs none of these, and
@@ -127,8 +132,8 @@ class Reaper:
                 os.close(rfd)
             ready, _, _ = select.select([proc.stdout], [], [], timeout)
             line = proc.stdout.readline() if ready else b""
-            proc.stdout.close()
             if line != b"ready\n":
+                proc.stdout.close()
                 os.close(wfd)
                 proc.kill()
                 proc.wait()
@@ -136,7 +141,24 @@ class Reaper:
                     f"Reaper: the reaper process did not start within {timeout} s "
                     f"(got {line!r}, exit code {proc.returncode})"
                 )
+            os.set_blocking(proc.stdout.fileno(), False)
             self._proc, self._wfd = proc, wfd
+
+    def signals_seen(self) -> list[int]:
+        """The warning signals (`PROBED_SIGNALS`) the reaper received since the last call, in
+        order: a signal that reached the reaper too was sent to the whole job step (SLURM's
+        proctrack/linuxproc or cgroup signals every process of the step), so the workers got
+        it as well; one the reaper did not get was sent to the agent alone (or its group)."""
+        proc = self._proc
+        if proc is None or proc.stdout is None or proc.stdout.closed:
+            return []
+        try:
+            data = os.read(proc.stdout.fileno(), 4096)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            return []
+        return list(data)
 
     def watch(self, pgid: int) -> None:
         """Ask the reaper to SIGKILL process group ``pgid`` if the agent dies."""
@@ -161,6 +183,8 @@ class Reaper:
                 os.close(self._wfd)
                 self._wfd = None
             proc = self._proc
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
         if proc is not None and proc.returncode is None:
             try:
                 proc.wait(timeout)
@@ -200,11 +224,14 @@ class Reaper:
 def _main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    # Tell the agent that the signals are ignored; then stdout is not used again.
+    # The schedulers' warning signals: not the reaper's to die of; each one received is told
+    # to the agent (one byte, the signal number), which learns from it whether the signal
+    # went to the whole job step (and so to the workers) or to the agent alone.
+    os.set_blocking(1, False)
+    for sig in PROBED_SIGNALS:
+        signal.signal(sig, _tell_agent)
+    # Tell the agent that the signals are handled; stdout then carries only those bytes.
     os.write(1, b"ready\n")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
     watched: dict[int, int | None] = {}  # pgid -> pidfd of its leader (None: not opened)
     buf = b""
     while True:
@@ -235,6 +262,13 @@ def _main() -> int:
     for _ in range(2):
         _kill_groups(watched, died)
     return 0
+
+
+def _tell_agent(signum: int, frame) -> None:
+    try:
+        os.write(1, bytes([signum]))
+    except OSError:  # the agent is gone or not reading: nothing to tell
+        pass
 
 
 def _kill_groups(watched: dict[int, int | None], died: int) -> None:

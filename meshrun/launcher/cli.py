@@ -14,6 +14,7 @@ parsing, so ``meshrun --help`` and bad input answer at once.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -61,6 +62,8 @@ def console_main() -> None:
     (`meshrun.launcher.stdio`): the job runs on, and the exit code stays the job's.
     """
     survive_closed_console()
+    for warning in (signal.SIGUSR1, signal.SIGUSR2):  # a scheduler's "save soon" must not kill
+        signal.signal(warning, lambda signum, frame: None)  # meshrun while it starts up
     try:
         main()
     except SystemExit as e:

@@ -1,0 +1,76 @@
+"""SIGUSR1 and SIGUSR2, the schedulers' "save soon" warnings (SLURM ``--signal=USR1@N``,
+``scancel -s USR1``): each worker gets one exactly once, however it was sent (to the agent
+alone, to the agent's process group as proctrack/pgid does, or to every process of the job as
+proctrack/linuxproc and cgroup do), no meshrun process dies of it, and the job goes on.
+Listed in --signals-to-handle, a signal keeps torchrun's meaning: stop the job, exit 128+N.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPT = Path(__file__).parent / "e2e_scripts" / "warned.py"
+pytestmark = pytest.mark.timeout(90)
+
+
+def _start(launch, out: Path, *extra: str):
+    proc = launch.start(["--nproc-per-node", "2", "--monitor-interval", "0.05", *extra,
+                         str(SCRIPT), str(out)], start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 40
+    while not all((out / f"ready_{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    return proc
+
+
+def _finish(proc, out: Path) -> tuple[int, str, list[str]]:
+    time.sleep(1.0)  # the agent decides within 0.3 s of a signal
+    (out / "stop").touch()
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err, [(out / f"counts_{r}").read_text() for r in (0, 1)]
+
+
+@pytest.mark.parametrize("how", ["agent", "process-group", "every-process"])
+def test_each_worker_gets_a_warning_exactly_once(launch, tmp_path, how):
+    proc = _start(launch, tmp_path)
+    agent = psutil.Process(proc.pid)
+    if how == "agent":
+        os.kill(proc.pid, signal.SIGUSR1)
+    elif how == "process-group":  # proctrack/pgid: the step's process group (the agent's)
+        os.killpg(proc.pid, signal.SIGUSR1)
+    else:  # proctrack/linuxproc, cgroup: every process of the job, one by one
+        for p in [agent, *agent.children(recursive=True)]:
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGUSR2)
+    code, err, counts = _finish(proc, tmp_path)
+    assert code == 0, err
+    assert counts == ["1 1", "1 1"], (counts, err)
+    assert "the job goes on" in err
+
+
+def test_warning_during_start_up_does_not_kill_meshrun(launch, tmp_path):
+    proc = launch.start(["--nproc-per-node", "1", str(SCRIPT), str(tmp_path)])
+    time.sleep(0.3)  # still starting: importing, rendezvous
+    os.kill(proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 40
+    while not (tmp_path / "ready_0").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    (tmp_path / "stop").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+
+
+def test_listed_warning_signal_stops_the_job_as_torchrun(launch, tmp_path):
+    proc = _start(launch, tmp_path, "--signals-to-handle", "SIGTERM,SIGUSR1",
+                  "--shutdown-timeout", "2")  # fmt: skip
+    os.kill(proc.pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1, err
