@@ -178,6 +178,25 @@ def listen_socket(addr: str, port: int) -> socket.socket:
     return sock
 
 
+def check_resolves(host: str, port: int, what: str) -> None:
+    """Look ``host`` up at once, so a name that does not resolve (a typo, a name only the
+    cluster's DNS knows) is one line naming it and the resolver's answer, not a connect that
+    waits out its timeout.
+
+    Raises:
+        StoreLostError: the lookup failed (the agent exits 3).
+    """
+    try:
+        socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise StoreLostError(
+            f"cannot resolve {what}'s host {host!r}: {e.strerror} (a typo, or a name only the "
+            "cluster's DNS knows? give a name this host resolves, or an address)"
+        ) from None
+    except UnicodeError as e:
+        raise StoreLostError(f"cannot resolve {what}'s host {host!r}: {e}") from None
+
+
 class TCPStoreBackend(Store):
     """The store contract on a TCPStore at ``host:port``.
 
@@ -248,6 +267,7 @@ class TCPStoreBackend(Store):
         not a TCPStore it waits forever. It runs on a thread here (it releases the GIL), so a
         wrong endpoint is an error after ``timeout``, never a hang.
         """
+        check_resolves(host, port, "the rendezvous store")
         dist = import_torch_distributed()
         outcome: list = []
 

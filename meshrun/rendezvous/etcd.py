@@ -949,6 +949,10 @@ def open_etcd_store(endpoint: str, settings, *, job_lease: bool = True) -> EtcdS
         RendezvousError: etcd refused us or cannot be reached (exit 3).
     """
     options = EtcdOptions.from_conf(endpoint, settings.extra, settings.read_timeout)
+    from meshrun.rendezvous.c10d import check_resolves
+
+    for host, port in options.endpoints:  # a name that does not resolve: said at once
+        check_resolves(host, port, "the etcd member")
     return EtcdStore(options, f"/meshrun/{settings.run_id}/", job_lease=job_lease)
 
 
