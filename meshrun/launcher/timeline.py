@@ -32,6 +32,7 @@ kind of picture.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -129,7 +130,7 @@ def find_event_files(dirs: Iterable[Path]) -> list[Path]:
 def read_events(files: Sequence[Path]) -> tuple[list[dict], int]:
     """The events of ``files``, merged by time (stable: a file's order is kept on ties), and
     the number of malformed lines skipped (not JSON, not an object, no numeric ``t``, no
-    string ``kind`` and ``host``).
+    string ``kind`` and ``host``; a ``t`` that is NaN or infinite).
 
     Raises:
         ConfigError: a file that cannot be read, or no well-formed event at all.
@@ -150,7 +151,7 @@ def read_events(files: Sequence[Path]) -> tuple[list[dict], int]:
                 continue
             ok = isinstance(event, dict) and isinstance(event.get("t"), (int, float))
             ok = ok and isinstance(event.get("kind"), str) and isinstance(event.get("host"), str)
-            if not ok or isinstance(event["t"], bool):
+            if not ok or isinstance(event["t"], bool) or not math.isfinite(event["t"]):
                 skipped += 1
                 continue
             events.append(event)
@@ -230,8 +231,8 @@ def build(events: list[dict]) -> Job:
     for e in events:
         key, kind = (e["host"], _int(e.get("pid"), 0)), e["kind"]
         rnd, rank = _int(e.get("round"), None), _int(e.get("rank"), None)
-        if kind == "worker_start" and rank is not None:
-            local = _int(e.get("local_rank"), rank)
+        local = _int(e.get("local_rank"), None)  # as the node's lanes were made (above)
+        if kind == "worker_start" and rank is not None and local is not None:
             local_of[(key, rnd, rank)] = local
             open_[(key, rnd, rank)] = {
                 "node": nodes[key], "local_rank": local, "rank": rank, "round": rnd,
@@ -252,7 +253,8 @@ def build(events: list[dict]) -> Job:
             marks.append({"node": nodes[key], "local_rank": lane, "t": e["t"], "kind": kind,
                           "title": _describe(e, t0), "event": e})  # fmt: skip
             if kind == "hang":  # on the culprits' lanes too
-                for culprit in e.get("culprits") or []:
+                culprits = e.get("culprits")
+                for culprit in culprits if isinstance(culprits, list) else []:
                     if (local := local_of.get((key, rnd, _int(culprit, None)))) is not None:
                         marks.append({"node": nodes[key], "local_rank": local, "t": e["t"],
                                       "kind": kind, "title": _describe(e, t0), "event": e})  # fmt: skip
@@ -350,7 +352,8 @@ def chrome_trace(job: Job) -> dict:
         starts = [e for e in job.events
                   if (e["host"], _int(e.get("pid"), 0)) == (n.host, n.pid)
                   and e["kind"] in ("round_start", "agent_exit")]  # fmt: skip
-        for e, nxt in zip(starts, [*starts[1:], None], strict=True):
+        # starts is empty for an agent still in rendezvous (or killed there)
+        for e, nxt in zip(starts, [*starts[1:], None], strict=False):
             if e["kind"] != "round_start":
                 continue
             end = nxt["t"] if nxt is not None else n.last_t
