@@ -27,6 +27,7 @@ its parent, and root or ``CAP_SYS_PTRACE`` where Yama's ptrace_scope is above 1)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -129,21 +130,23 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
     py_spy = _py_spy()
     for t in targets:
         size = _size(t.stack_file)
-        if size is not None:  # armed: ask faulthandler
+        # Armed once (the file exists) is not armed now: a script (or a library) that set the
+        # signal back to SIG_DFL would be killed by it, and one that ignores it never answers.
+        if size is not None and _handles(t.pid, STACK_SIGNAL):  # armed: ask faulthandler
             if _send(t, STACK_SIGNAL):
                 sent[t.key] = (t, size)
             else:
                 stacks[t.key] = _missing(t, "the process had exited")
         elif py_spy is not None:
             try:
-                proc = subprocess.Popen(
-                    [py_spy, "dump", "--full-filenames", "--pid", str(t.pid)],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                )  # fmt: skip
+                spies[t.key] = (t, _spy(py_spy, t))
             except OSError as e:
                 stacks[t.key] = _missing(t, f"py-spy could not start ({e.strerror or e})")
-                continue
-            spies[t.key] = (t, proc)
+        elif size is not None:
+            stacks[t.key] = _missing(
+                t, f"no stack: the worker no longer handles {STACK_SIGNAL.name} (its handler was"
+                   " replaced or reset; not signalled), and py-spy is not installed"
+            )  # fmt: skip
         else:
             stacks[t.key] = _missing(
                 t, "no stack: call meshrun.parallel.init() in the script, or install py-spy"
@@ -156,11 +159,18 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
                 text = _read_from(t.stack_file, size)
                 stacks[key] = Stack(text, main_thread(text), str(t.stack_file), "faulthandler")
                 del sent[key]
+                if _threads_cut(text) and py_spy is not None:
+                    # faulthandler lists 100 threads at most, newest first: the main thread
+                    # is past them. py-spy names it; the dump above stays if py-spy fails.
+                    with contextlib.suppress(OSError):
+                        spies[key] = (t, _spy(py_spy, t))
         for key, (t, proc) in list(spies.items()):
             if proc.poll() is not None:
                 text = proc.stdout.read() if proc.stdout else ""
                 proc.stdout and proc.stdout.close()
                 del spies[key]
+                if (proc.returncode != 0 or not text.strip()) and key in stacks:
+                    continue  # the faulthandler dump (threads cut) it was to complete
                 if proc.returncode != 0 or not text.strip():
                     stacks[key] = _missing(t, f"py-spy failed (exit {proc.returncode}; ptrace "
                                               "not permitted?)")  # fmt: skip
@@ -175,7 +185,8 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
         proc.kill()
         proc.wait()
         proc.stdout and proc.stdout.close()
-        stacks[key] = _missing(t, f"no stack within {timeout:g} s (py-spy did not finish)")
+        if key not in stacks:  # else: the faulthandler dump (threads cut) stays
+            stacks[key] = _missing(t, f"no stack within {timeout:g} s (py-spy did not finish)")
     return stacks
 
 
@@ -204,7 +215,14 @@ def main_thread(text: str) -> tuple[Frame, ...]:
     for _head, frames in threads:
         if frames[-1].func == "<module>":
             return tuple(frames)
+    if _threads_cut(text):  # the main thread (the oldest, listed last) was left out
+        return ()
     return tuple(threads[-1][1])
+
+
+def _threads_cut(text: str) -> bool:
+    """Whether a faulthandler dump left threads out (more than 100: a line ``...``)."""
+    return any(line.rstrip() == "..." for line in text.splitlines())
 
 
 def traceback_frames(text: str) -> tuple[Frame, ...]:
@@ -313,6 +331,13 @@ def _py_spy() -> str | None:
     return str(beside) if os.access(beside, os.X_OK) else None
 
 
+def _spy(py_spy: str, t: Target) -> subprocess.Popen:
+    return subprocess.Popen(
+        [py_spy, "dump", "--full-filenames", "--pid", str(t.pid)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+
+
 def _size(path: Path) -> int | None:
     try:
         return path.stat().st_size
@@ -329,6 +354,30 @@ def _send(t: Target, signum: int) -> bool:
         return True
     except (ProcessLookupError, OSError):
         return False
+
+
+def _handles(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` right now (its
+    ``SigCgt`` mask in ``/proc/PID/status``). True where that cannot be read but the process
+    exists (no /proc: the file's existence is all there is to go by)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.path.isdir(f"/proc/{pid}") is False and _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
 
 
 def _read_from(path: Path, offset: int) -> str:
