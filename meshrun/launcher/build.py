@@ -102,6 +102,8 @@ def build_config_and_notes(
 
     # -- rendezvous ---------------------------------------------------------------------
     rdzv_backend = get("rdzv_backend", v.parse_rdzv_backend)
+    if note := v.backend_note(str(raw["rdzv_backend"].value)):
+        notes.append(note)
     rdzv_conf, conf_notes = get("rdzv_conf", v.parse_rdzv_conf)
     notes += conf_notes
     master_port = (

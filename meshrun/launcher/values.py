@@ -196,7 +196,7 @@ def parse_flag_env(value: str) -> bool:
 # -- rendezvous -----------------------------------------------------------------------------
 
 RDZV_BACKENDS = ("static", "c10d", "etcd")
-_BACKEND_ALIASES = {"etcd-v3": "etcd"}
+_BACKEND_ALIASES = {"etcd-v3": "etcd", "etcd-v2": "etcd"}
 
 # rdzv_conf keys that hold a duration; checked here so the agent need not re-check them.
 _RDZV_SECONDS_KEYS = (
@@ -205,24 +205,38 @@ _RDZV_SECONDS_KEYS = (
     "close_timeout",
     "read_timeout",
     "keep_alive_interval",
-    "heartbeat",
+    "heartbeat_timeout",
 )
+
+# torch's names for meshrun's keys (its etcd backend's TLS options; the Kubeflow training
+# operator passes the user's rdzvConf through): read under meshrun's name, with a note.
+_CONF_ALIASES = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
+# Keys torch 2.13 reads that mean nothing to meshrun: accepted, with a note that they are ignored.
+_TORCH_ONLY_KEYS = {
+    "etcd_prefix": "meshrun keeps a job's keys under /meshrun/<run id>/",
+    "use_libuv": "meshrun's stores always use libuv",
+    "local_addr": "give --local-addr",
+}
 
 
 def parse_rdzv_backend(value: str) -> str:
-    """``static``, ``c10d``, ``etcd`` (``etcd-v3`` is read as ``etcd``); raises `ValueProblem`.
-
-    ``etcd-v2`` (torch's v2-API backend) is not supported: meshrun speaks etcd's v3 API only.
+    """``static``, ``c10d``, ``etcd`` (``etcd-v3`` and ``etcd-v2`` are read as ``etcd``: meshrun
+    speaks etcd's v3 API, which etcd 3.4+ serves by default; `backend_note` says so for v2);
+    raises `ValueProblem`.
     """
     name = value.strip().lower()
     name = _BACKEND_ALIASES.get(name, name)
-    if name == "etcd-v2":
-        raise ValueProblem(
-            "etcd v2 is not supported", "use --rdzv-backend etcd (etcd's v3 API)"
-        )
     if name not in RDZV_BACKENDS:
         raise ValueProblem("unknown rendezvous backend", "give static, c10d or etcd")
     return name
+
+
+def backend_note(value: str) -> str | None:
+    """The note for a backend name read as another (``etcd-v2``), or None."""
+    if value.strip().lower() == "etcd-v2":
+        return ("note: --rdzv-backend etcd-v2 runs on etcd's v3 API (meshrun has no v2 "
+                "client; etcd 3.4 and later serve v3 by default)")  # fmt: skip
+    return None
 
 
 _SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token")
@@ -271,6 +285,7 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
             f"note: --rdzv-conf timeout={conf['join_timeout']} is read as "
             f"join_timeout={conf['join_timeout']}"
         )
+    _known_keys_only(conf, notes)
     for key in _RDZV_SECONDS_KEYS:
         if key in conf:
             try:
@@ -281,6 +296,46 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
                     f"give e.g. {key}=60",
                 ) from None
     return conf, notes
+
+
+def _known_keys_only(conf: dict[str, str], notes: list[str]) -> None:
+    """Read torch's names for meshrun's keys, drop the keys meshrun has no use for (with a
+    note each: torch ignores keys it does not read, so torchrun runs with them, and so does
+    meshrun), and refuse a key within two edits of a known one (a typo: ``join_timout``)."""
+    from meshrun.rendezvous.api import BACKEND_CONF_KEYS, CONF_KEYS
+
+    known = {*CONF_KEYS, *BACKEND_CONF_KEYS, "secret"}
+    for key in list(conf):
+        if key in known:
+            continue
+        if key in _CONF_ALIASES:
+            name = _CONF_ALIASES[key]
+            if name in conf:
+                raise ValueProblem(f"{key} is torch's name for {name}, and both are given",
+                                   f"give only {name}")  # fmt: skip
+            conf[name] = conf.pop(key)
+            notes.append(f"note: --rdzv-conf {key} is read as {name}")
+        elif key in _TORCH_ONLY_KEYS:
+            del conf[key]
+            notes.append(f"note: --rdzv-conf {key} ignored ({_TORCH_ONLY_KEYS[key]})")
+        else:
+            near = sorted(k for k in known | set(_CONF_ALIASES)
+                          if _edits(key, k) <= (1 if len(k) <= 5 else 2))  # fmt: skip
+            if near:
+                raise ValueProblem(f"unknown key {key!r}", f"did you mean {near[0]}?")
+            del conf[key]
+            notes.append(f"warning: --rdzv-conf {key} is not a key meshrun or torch reads; "
+                         "ignored")  # fmt: skip
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions) of two short strings."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
 
 
 # -- output ---------------------------------------------------------------------------------

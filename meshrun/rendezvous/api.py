@@ -11,6 +11,7 @@ Errors map to the launcher's exit codes (DESIGN.md §3.4): every `RendezvousErro
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -158,6 +159,9 @@ CONF_KEYS: dict[str, type] = {
     "keep_alive_interval": float,
     "keep_alive_max_attempt": int,
     "read_timeout": float,
+    # torch's name for the time without a heartbeat after which a node is lost (dead_after):
+    # read as keep_alive_max_attempt = ceil(heartbeat_timeout / keep_alive_interval)
+    "heartbeat_timeout": float,
 }
 BACKEND_CONF_KEYS = frozenset(
     {"is_host", "bind_all", "cacert", "cert", "key", "user", "password", "password_file",
@@ -197,6 +201,10 @@ def settings_from_conf(
         else:
             known = ", ".join(sorted([*CONF_KEYS, *BACKEND_CONF_KEYS]))
             raise ValueError(f"--rdzv-conf {key}={raw}: unknown key (known keys: {known})")
+    heartbeat_timeout = values.pop("heartbeat_timeout", None)
+    if heartbeat_timeout is not None and "keep_alive_max_attempt" not in values:
+        interval = values.get("keep_alive_interval", RendezvousSettings.keep_alive_interval)
+        values["keep_alive_max_attempt"] = max(1, math.ceil(heartbeat_timeout / interval))
     return RendezvousSettings(
         run_id=run_id,
         min_nodes=min_nodes,

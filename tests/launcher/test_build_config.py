@@ -212,10 +212,33 @@ def test_standalone_is_implied_for_one_node_without_endpoint_or_port(workdir):
 def test_rdzv_backends(workdir):
     for name, want in (("static", "static"), ("c10d", "c10d"), ("etcd", "etcd"), ("etcd-v3", "etcd")):
         assert cfg("--nnodes", "2", "--rdzv-backend", name, "train.py").rdzv_backend == want
-    with pytest.raises(ConfigError, match="etcd v2 is not supported"):
-        cfg("--nnodes", "2", "--rdzv-backend", "etcd-v2", "train.py")
     with pytest.raises(ConfigError, match="unknown rendezvous backend"):
         cfg("--nnodes", "2", "--rdzv-backend", "zookeeper", "train.py")
+
+
+def test_etcd_v2_runs_on_the_v3_api_with_a_note(workdir, capsys):
+    assert cfg("--nnodes", "2", "--rdzv-backend", "etcd-v2", "train.py").rdzv_backend == "etcd"
+    assert "etcd-v2 runs on etcd's v3 API" in capsys.readouterr().err
+
+
+def test_rdzv_conf_keys_torch_reads_are_honoured_or_noted(workdir, capsys):
+    """Kubeflow's operator passes the user's rdzvConf through PET_RDZV_CONF; torch ignores keys
+    it does not read, so meshrun must run with them too (typos of a known key stay errors)."""
+    conf = "heartbeat_timeout=30,ssl_cert=c.pem,ssl_cert_key=k.pem,ca_cert=ca.pem,etcd_prefix=/x,zzz=1"
+    c = cfg("--nnodes", "2", "train.py", env={"PET_RDZV_CONF": conf})
+    assert c.rdzv_conf == {"heartbeat_timeout": "30", "cert": "c.pem", "key": "k.pem",
+                           "cacert": "ca.pem"}  # fmt: skip
+    err = capsys.readouterr().err
+    assert "ssl_cert is read as cert" in err and "etcd_prefix ignored" in err
+    assert "zzz is not a key meshrun or torch reads; ignored" in err
+    from meshrun.rendezvous import settings_from_conf
+
+    settings = settings_from_conf({"heartbeat_timeout": "30", "keep_alive_interval": "5"},
+                                  run_id="x", min_nodes=1, max_nodes=2, max_restarts=0)  # fmt: skip
+    assert settings.dead_after == 30  # torch's heartbeat_timeout: a node lost after 30 s
+    for typo in ("jion_timeout=5", "usr=me"):
+        with pytest.raises(ConfigError, match="did you mean"):
+            cfg("--rdzv-conf", typo, "train.py")
 
 
 def test_rdzv_conf_timeout_is_join_timeout(workdir, capsys):

@@ -37,7 +37,6 @@ BAD_INPUTS = {
     "unknown config key": ["--config", "unknown_key.toml", "train.py"],
     "malformed rdzv-conf": ["--rdzv-conf", "join_timeout", "train.py"],
     "rdzv-conf timeout and join_timeout": ["--rdzv-conf", "timeout=1,join_timeout=1", "train.py"],
-    "etcd-v2": ["--rdzv-backend", "etcd-v2", "--nnodes", "2", "train.py"],
     "unknown backend": ["--rdzv-backend", "zk", "train.py"],
     "bad redirects": ["-r", "9", "train.py"],
     "bad signal": ["--signals-to-handle", "SIGNOPE", "train.py"],
