@@ -92,9 +92,10 @@ class Target:
 
 @dataclass(frozen=True)
 class Stack:
-    """A worker's stacks: the dump as text, the main thread's frames (innermost first), where
-    the dump is kept, and which tool took it ("faulthandler" or "py-spy"); ``text`` is ""
-    with ``problem`` saying why when no stack could be taken."""
+    """A worker's stacks: the dump as text (its main thread first: `main_first`), the main
+    thread's frames (innermost first), where the dump is kept, and which tool took it
+    ("faulthandler" or "py-spy"); ``text`` is "" with ``problem`` saying why when no stack
+    could be taken."""
 
     text: str
     main: tuple[Frame, ...]
@@ -157,7 +158,9 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
             if now is not None and now > size:
                 time.sleep(0.05)  # let faulthandler finish writing every thread
                 text = _read_from(t.stack_file, size)
-                stacks[key] = Stack(text, main_thread(text), str(t.stack_file), "faulthandler")
+                stacks[key] = Stack(
+                    main_first(text), main_thread(text), str(t.stack_file), "faulthandler"
+                )
                 del sent[key]
                 if _threads_cut(text) and py_spy is not None:
                     # faulthandler lists 100 threads at most, newest first: the main thread
@@ -176,7 +179,7 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
                                               "not permitted?)")  # fmt: skip
                     continue
                 path = _save(t.save_to, text)
-                stacks[key] = Stack(text, main_thread(text), path, "py-spy")
+                stacks[key] = Stack(main_first(text), main_thread(text), path, "py-spy")
         if sent or spies:
             time.sleep(0.02)
     for key, (t, _) in sent.items():
@@ -218,6 +221,35 @@ def main_thread(text: str) -> tuple[Frame, ...]:
     if _threads_cut(text):  # the main thread (the oldest, listed last) was left out
         return ()
     return tuple(threads[-1][1])
+
+
+def main_first(text: str) -> str:
+    """``text`` (a faulthandler or ``py-spy dump`` text) with the main thread's block moved
+    right after the preamble and its header marked ``"MainThread"`` (as py-spy names it), so a
+    record cut to a few KB (`WorkerFailure.capped` keeps the head) still has the main thread's
+    innermost frames and `main_thread` still finds it. Unchanged when no main thread is found.
+    """
+    main = main_thread(text)
+    if not main:
+        return text
+    blocks: list[list[str]] = [[]]  # the preamble, then one block per thread
+    for line in text.splitlines(keepends=True):
+        if line.startswith(("Thread ", "Current thread ")):
+            blocks.append([])
+        blocks[-1].append(line)
+    for i, block in enumerate(blocks[1:], 1):
+        frames = [m for raw in block[1:] if (m := _FAULTHANDLER_FRAME.match(raw.rstrip())
+                                              or _PY_SPY_FRAME.match(raw.rstrip()))]  # fmt: skip
+        if len(frames) == len(main) and (frames[0]["func"].strip(), int(frames[0]["line"])) == (
+            main[0].func, main[0].line
+        ):
+            head = block[0]
+            if '"MainThread"' not in head:
+                head = head.rstrip("\n").replace(" (most recent", ' "MainThread" (most recent', 1)
+                head = head if '"MainThread"' in head else head + ' "MainThread"'
+                head += "\n"
+            return "".join(blocks[0] + [head] + block[1:] + sum(blocks[1:i] + blocks[i + 1 :], []))
+    return text
 
 
 def _threads_cut(text: str) -> bool:
