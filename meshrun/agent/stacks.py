@@ -39,9 +39,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The signal faulthandler is armed on in workers (SIGUSR2 by default would kill a worker that
-#: did not arm it; it is only ever sent to one that did: its stack file exists).
-STACK_SIGNAL = signal.SIGUSR2
+#: The signal faulthandler is armed on in workers: a real-time signal, since SIGUSR1 and
+#: SIGUSR2 belong to the user and the scheduler (SLURM's ``--signal=USR1@N``). Its default
+#: action would kill a worker that did not arm it: it is only ever sent to one that did (its
+#: stack file exists, and its handler is in place).
+STACK_SIGNAL = signal.SIGRTMIN + 6
+STACK_SIGNAL_NAME = "SIGRTMIN+6"
 #: Seconds the agent waits, in all, for the stacks of a whole group.
 STACKS_TIMEOUT_S = 2.0
 
@@ -145,7 +148,7 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
                 stacks[t.key] = _missing(t, f"py-spy could not start ({e.strerror or e})")
         elif size is not None:
             stacks[t.key] = _missing(
-                t, f"no stack: the worker no longer handles {STACK_SIGNAL.name} (its handler was"
+                t, f"no stack: the worker no longer handles {STACK_SIGNAL_NAME} (its handler was"
                    " replaced or reset; not signalled), and py-spy is not installed"
             )  # fmt: skip
         else:

@@ -31,7 +31,6 @@ import contextlib
 import faulthandler
 import mmap
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -158,7 +157,7 @@ def register_stack_dump() -> bool:
         return False
     try:
         stack_file = open(path, "w")  # noqa: SIM115 - must stay open for faulthandler
-        faulthandler.register(signal.Signals(int(signum)), file=stack_file, all_threads=True)
+        faulthandler.register(int(signum), file=stack_file, all_threads=True)
     except (OSError, ValueError, RuntimeError):
         return False
     _stack_file = stack_file
