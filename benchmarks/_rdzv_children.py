@@ -197,8 +197,8 @@ def meshrun_counting_store(port: int, timeout: float, preconnect: bool = True):
 
 
 class _GatewayCounter:
-    """Counts the HTTP requests one etcd gateway connection (`meshrun.rendezvous.etcd._Gateway`)
-    makes: every ``call`` (one POST) and ``stream`` (one watch POST). Benchmark-only peek: the
+    """Counts the HTTP requests one etcd gateway connection
+    (`meshrun.rendezvous.etcd_gateway.Gateway`) makes: every ``call`` (one POST) and ``stream`` (one watch POST). Benchmark-only peek: the
     instance's methods are wrapped in place."""
 
     def __init__(self, gw):

@@ -1,0 +1,164 @@
+"""Node liveness on etcd leases: the `Liveness` that `meshrun.rendezvous.etcd.EtcdStore` gives.
+
+Each node has a lease (TTL ``ceil(dead_after)``, at least `MIN_TTL` s; etcd raises shorter TTLs
+to its own minimum) and the key ``<prefix>liveness/<node_id>`` bound to it; ``beat()`` is a
+lease keep-alive, and a node is alive while its key exists. No etcd client keeps a lease alive
+in the background; the agent's keep-alive loop does, through ``beat()``.
+
+Apart from the store because it runs on connections of its own, with traffic of its own
+(keep-alives, and a watch per node asked about; see `EtcdLiveness`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from meshrun.rendezvous.api import RendezvousError, StoreLostError
+from meshrun.rendezvous.etcd_gateway import EtcdError, EtcdOptions, Gateway, b64
+from meshrun.rendezvous.store import Liveness
+
+MIN_TTL = 2  # seconds; etcd's own minimum is 1.5 x its election timeout, rounded up
+
+
+def liveness_key(prefix: str, node_id: str) -> str:
+    """The key that exists while ``node_id`` of the job under ``prefix`` is alive."""
+    return f"{prefix}liveness/{node_id}"
+
+
+class EtcdLiveness(Liveness):
+    """A node's lease and its key ``<prefix>liveness/<node_id>``, on its own connection.
+
+    The lease is refreshed at most every third of its TTL (as etcd's own clients keep leases
+    alive), so a dead node's key is gone between 2/3 TTL and TTL after its last refresh.
+    Another node is *watched*, not polled: the first `is_alive` reads its key, then a thread
+    (`_KeyWatch`) waits for the key's DELETE on a watch. A node stopped being asked about for a
+    TTL is no longer watched. N agents then cost etcd about N requests per TTL/3, not 2N per
+    ``keep_alive_interval``.
+    """
+
+    def __init__(self, options: EtcdOptions, prefix: str, node_id: str, dead_after: float):
+        self._options = options
+        self._prefix = prefix
+        self._gw = Gateway(options)
+        self._key = liveness_key(prefix, node_id)
+        self._ttl = max(MIN_TTL, math.ceil(dead_after))
+        self._every = self._ttl / 3  # seconds between refreshes, and between reads of a node
+        self._lease = 0
+        self._refreshed = -math.inf  # time.monotonic() of the last refresh
+        self._watches: dict[str, _KeyWatch] = {}
+        self._closed = False
+
+    def _attach(self) -> None:
+        for _ in range(3):  # a lease that expired before our put (an overloaded etcd): again
+            self._lease = self._gw.grant(self._ttl)
+            body = {"key": b64(self._key), "value": b64(b"1"), "lease": str(self._lease)}
+            try:
+                self._gw.call("kv/put", body)
+                return
+            except EtcdError as e:
+                if "lease not found" not in str(e):
+                    raise
+        raise StoreLostError(
+            f"rendezvous store lost: {self._options.describe()} let three {self._ttl} s "
+            "leases expire before a write bound to them (overloaded?)"
+        )
+
+    def beat(self) -> None:
+        if self._closed:
+            return
+        now = time.monotonic()
+        if self._lease and now - self._refreshed < self._every:
+            return
+        if not self._lease or self._gw.keepalive(self._lease) <= 0:
+            self._attach()  # first beat, or our lease expired (we were seen as dead)
+        self._refreshed = now
+
+    def is_alive(self, node_id: str) -> bool:
+        now = time.monotonic()
+        for other, watch in list(self._watches.items()):  # nodes nobody asks about any more
+            if other != node_id and now - watch.asked > self._ttl:
+                watch.close()
+                del self._watches[other]
+        watch = self._watches.get(node_id)
+        if watch is not None and not watch.alive and watch.error is None:
+            # a watch that saw the key go is final, but the node may be back: one that paused
+            # past its TTL re-attaches under the same id (a cached verdict livelocked the job)
+            watch.close()
+            watch = None
+        if watch is None:
+            watch = _KeyWatch(self._gw, self._options, liveness_key(self._prefix, node_id))
+            self._watches[node_id] = watch
+        watch.asked = now
+        if watch.error is not None:
+            raise watch.error
+        return watch.alive
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for watch in self._watches.values():
+            watch.close()
+        if self._lease:
+            try:
+                self._gw.revoke(self._lease)
+            except RendezvousError:
+                pass
+        self._gw.close()
+
+
+class _KeyWatch:
+    """Whether ``key`` exists, kept up to date by a watch on its own thread and connection.
+
+    The key is read once (on ``gw``, the caller's connection) when the watch is made; after
+    that ``alive`` turns False when a watch sees the key deleted, or a re-read (after a broken
+    stream) finds it gone. A store that stops answering sets ``error`` (`StoreLostError`).
+    """
+
+    _WAIT = 5.0  # seconds per watch request (then another, from the same revision)
+
+    def __init__(self, gw: Gateway, options: EtcdOptions, key: str):
+        self.key = key
+        self.asked = time.monotonic()
+        self.error: RendezvousError | None = None
+        self._options = options
+        self._stop = threading.Event()
+        self.alive, revision, version = self._read(gw)
+        if self.alive:
+            threading.Thread(
+                target=self._run, args=(revision + 1, version), name="meshrun-etcd-watch",
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def _read(self, gw: Gateway) -> tuple[bool, int, int]:
+        """(exists, the read's revision, the key's mod_revision or 0)."""
+        result = gw.call("kv/range", {"key": b64(self.key)})
+        kvs = result.get("kvs") or []
+        version = int(kvs[0]["mod_revision"]) if kvs else 0
+        return bool(kvs), int(result["header"]["revision"]), version
+
+    def _run(self, start: int, version: int) -> None:
+        gw = Gateway(self._options)
+        try:
+            while not self._stop.is_set() and self.alive:
+                changed, item, revision = gw.watch(self.key, version, start, self._WAIT)
+                if changed:
+                    if item is None:
+                        self.alive = False  # deleted: its lease expired, or it left
+                    else:
+                        version, start = item.version, revision + 1
+                elif revision < 0:  # the stream broke: read again (from the next member)
+                    self.alive, revision, version = self._read(gw)
+                    start = revision + 1
+        except RendezvousError as e:
+            self.error = e
+        finally:
+            gw.close()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+__all__ = ["MIN_TTL", "EtcdLiveness", "liveness_key"]
