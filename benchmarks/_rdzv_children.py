@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
@@ -106,8 +107,13 @@ class _CallCounter:
 
 @functools.cache
 def _counting_classes():
-    """(SplitCountingStore, BeatCounting), built on first use (meshrun imported lazily)."""
-    from meshrun.rendezvous.store import CountingStore, Liveness
+    """(SplitCountingStore, BeatCounting), built on first use (meshrun imported lazily).
+
+    `CountingStore` is test code (``tests/rendezvous/counting_store.py``), not meshrun's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "rendezvous"))
+    from counting_store import CountingStore
+
+    from meshrun.rendezvous.store import Liveness
 
     class BeatCounting(Liveness):
         def __init__(self, owner, inner):

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from counting_store import CountingStore
 
 from meshrun.rendezvous import (
     JobFailed,
@@ -22,7 +23,6 @@ from meshrun.rendezvous import (
     RendezvousTimeoutError,
 )
 from meshrun.rendezvous.api import RendezvousError
-from meshrun.rendezvous.store import CountingStore
 
 pytestmark = pytest.mark.timeout(60)
 
