@@ -406,6 +406,8 @@ class Agent:
                     for f in self._end_round(rdzv, bootstrap, fault=fault):
                         if f.stopped:
                             say(f"stopped rank {f.global_rank}: {_place(f)}")
+                    if self._signal is not None:  # it came while the group was stopped
+                        return self._stop_by_signal()
                     break
 
     def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
@@ -525,7 +527,7 @@ class Agent:
             )
             for spec, pid in running
         ]
-        stacks = collect_stacks(targets)
+        stacks = collect_stacks(targets, abort=lambda: self._signal is not None)
         records = []
         for spec, pid in running:
             stack = stacks[spec.local_rank]
@@ -684,8 +686,8 @@ class Agent:
         stopped = self._take_stacks() if fault and not self._stacks_taken else []
         self._watch = None
         failures: list[WorkerFailure] = []
-        if self._group is not None:
-            self._group.stop(self.config.shutdown_timeout)
+        if self._group is not None:  # a signal that came meanwhile is what the workers get
+            self._group.stop(self.config.shutdown_timeout, death_sig=self._signal or signal.SIGTERM)
             failures = self._group.failures()
             self._note_exits()
             self._group = None

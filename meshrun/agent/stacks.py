@@ -119,12 +119,15 @@ class Whereabouts:
     at: str
 
 
-def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> dict[int, Stack]:
+def collect_stacks(
+    targets: list[Target], timeout: float = STACKS_TIMEOUT_S, abort=None
+) -> dict[int, Stack]:
     """Take the stacks of all ``targets`` at once; return ``key -> Stack`` for every target.
 
     Sends the stack signal to the workers that armed faulthandler and runs one ``py-spy dump``
     per other worker, all in parallel, then waits until every stack is in or ``timeout``
-    seconds (in all) have passed; what is not in by then is a `Stack` with ``problem`` set.
+    seconds (in all) have passed, or ``abort()`` (checked every 20 ms) is true (a signal
+    came: the agent stops at once); what is not in by then is a `Stack` with ``problem`` set.
     Never raises for a worker that has exited meanwhile.
     """
     deadline = time.monotonic() + timeout
@@ -155,7 +158,7 @@ def collect_stacks(targets: list[Target], timeout: float = STACKS_TIMEOUT_S) -> 
             stacks[t.key] = _missing(
                 t, "no stack: call meshrun.parallel.init() in the script, or install py-spy"
             )
-    while (sent or spies) and time.monotonic() < deadline:
+    while (sent or spies) and time.monotonic() < deadline and not (abort and abort()):
         for key, (t, size) in list(sent.items()):
             now = _size(t.stack_file)
             if now is not None and now > size:

@@ -163,3 +163,30 @@ def test_two_nodes_every_node_reports_the_other_nodes_stopped_rank(tmp_path):
             rf"rank 0 \(host .*node rank 0, local rank 0, pid \d+\): LIKELY CAUSE, running, "
             rf"outside any collective at \S+slow_reader.py:{reader} in read_batch", report
         ), report
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_while_stacks_are_taken_exits_143_at_once(launch):
+    """Rank 1 fails with restarts left; rank 0 never answers the stack request (it blocks the
+    signal). A SIGTERM while the agent waits for that stack ends the wait: exit 143 promptly,
+    as from any other moment, and the restart is not carried out."""
+    import signal as sig
+
+    proc = launch.start(["--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout",
+                         "2", str(SCRIPTS / "deaf_to_stacks.py")])  # fmt: skip
+    deadline = time.monotonic() + 60
+    err = ""
+    while "restarting the worker group" not in err:
+        line = proc.stderr.readline()
+        assert line and time.monotonic() < deadline, err
+        err += line
+    time.sleep(0.3)  # inside the 2 s wait for rank 0's stack
+    sent = time.monotonic()
+    proc.send_signal(sig.SIGTERM)
+    rest = proc.stderr.read()  # to EOF: the agent exited (pytest-timeout bounds it)
+    proc.wait(30)
+    elapsed = time.monotonic() - sent
+    assert proc.returncode == 143, err + rest
+    assert "round 1" not in rest, rest  # no new round was started
+    assert "during rendezvous" not in rest, rest  # it stopped from where it was
+    assert elapsed < 1.7 + 2, elapsed  # a liveness bound: the stack wait (2 s) plus grace
