@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import click
 
+from meshrun.exits import EXIT_USAGE
 from meshrun.launcher.build import build_config
-from meshrun.launcher.errors import EXIT_USAGE, ConfigError, redact_secrets
+from meshrun.launcher.errors import ConfigError, redact_secrets
 from meshrun.launcher.stdio import survive_closed_console
 from meshrun.launcher.subcommands import SUBCOMMANDS
 

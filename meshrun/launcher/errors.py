@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-EXIT_USAGE = 2  # DESIGN.md §3.4: usage or config error, nothing was started
+from meshrun import exits
 
 # ``password=VALUE`` (quoted or not), or ``'password': 'VALUE'`` as a dict is shown (quoted);
 # also secret, token. An unquoted value runs on past commas up to the next ``key=`` entry (a
@@ -33,7 +33,7 @@ def redact_secrets(text: str) -> str:
     return _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2) or m.group(4)}***", text)
 
 
-class ConfigError(ValueError):
+class ConfigError(exits.ConfigError):
     """Bad user input: an unknown option, a bad value, a missing script, a bad config file.
 
     ``str(error)`` is one line (newlines are folded), naming where the value came from, the

@@ -29,11 +29,9 @@ from pathlib import Path
 
 import click
 
+from meshrun.exits import EXIT_NO_JOB, EXIT_RENDEZVOUS
 from meshrun.launcher.errors import ConfigError
 from meshrun.launcher.values import ValueProblem, parse_rdzv_backend, parse_rdzv_conf
-
-EXIT_NO_JOB = 1
-EXIT_STORE = 3
 
 
 @click.command(
@@ -113,7 +111,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
         raise ConfigError(str(e)) from None
     except RendezvousError as e:
         click.echo(f"meshrun stacks: error: {' '.join(str(e).split())}", err=True)
-        return EXIT_STORE
+        return EXIT_RENDEZVOUS
     records = []
     for node_rank in sorted(answers):
         try:

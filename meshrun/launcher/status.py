@@ -25,11 +25,10 @@ from dataclasses import replace
 
 import click
 
+from meshrun.exits import EXIT_NO_JOB, EXIT_RENDEZVOUS
 from meshrun.launcher.errors import ConfigError
 from meshrun.launcher.values import ValueProblem, parse_rdzv_backend, parse_rdzv_conf
 
-EXIT_NO_JOB = 1
-EXIT_STORE = 3
 STATUS_READ_TIMEOUT = 5.0  # seconds, unless --rdzv-conf read_timeout= says otherwise
 
 
@@ -74,7 +73,7 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
         raise ConfigError(str(e)) from None
     except RendezvousError as e:
         click.echo(f"meshrun status: error: {' '.join(str(e).split())}", err=True)
-        return EXIT_STORE
+        return EXIT_RENDEZVOUS
     if lines is None:
         click.echo(f"no job {run_id} at {endpoint}", err=True)
         return EXIT_NO_JOB
