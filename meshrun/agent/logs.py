@@ -778,11 +778,6 @@ class PipeForwarder:
     def start(self) -> None:
         self._thread.start()
 
-    @property
-    def done(self) -> bool:
-        """True once the forwarder reached EOF (or was stopped) and closed its files."""
-        return self._done.is_set()
-
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for EOF; True if the forwarder has finished."""
         return self._done.wait(timeout)
