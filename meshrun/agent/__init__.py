@@ -4,10 +4,11 @@ Public API: `Agent` (run one node's share of a job), `WorkerGroup`/`WorkerSpec` 
 worker processes), `WorkerFailure` and `format_report` (the failure report), `Reaper`.
 """
 
-from meshrun.agent.agent import Agent, ConfigError, worker_env
+from meshrun.agent.agent import Agent, worker_env
 from meshrun.agent.errors import WorkerFailure, format_report, root_cause
 from meshrun.agent.reaper import Reaper
 from meshrun.agent.workers import GroupResult, WorkerGroup, WorkerSpec, WorkerState
+from meshrun.exits import ConfigError
 
 __all__ = [
     "Agent",

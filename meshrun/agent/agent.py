@@ -57,6 +57,7 @@ from meshrun.agent.workers import (
     WorkerState,
     become_subreaper,
 )
+from meshrun.exits import EXIT_HUNG, EXIT_OK, EXIT_RENDEZVOUS, EXIT_USAGE, ConfigError
 from meshrun.rendezvous import (
     JobFailed,
     JobFinished,
@@ -76,10 +77,6 @@ if TYPE_CHECKING:  # the agent reads the config; it imports nothing from the lau
 # The bits of ``launcher.config.Std`` (torchrun's Std): 1 stdout, 2 stderr.
 _STDOUT, _STDERR = 1, 2
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_RENDEZVOUS = 3
-EXIT_HUNG = 124
 # Message + traceback kept per failure in this node's own report (what the store gets is less).
 _LOCAL_REPORT_MAX_BYTES = 32 * 1024
 # Restarts that are not a fault (nodes joining): nobody's stack is worth taking then.
@@ -89,10 +86,6 @@ _NOT_A_FAULT = re.compile(r"node\(s\) waiting to join|job finished|succeeded")
 # script needs none of them (DESIGN.md §3.1); the user's own variables pass through untouched.
 SECRET_ENV = frozenset({"PET_RDZV_CONF"})
 _SECRET_ENV_PATTERN = re.compile(r"MESHRUN_\w*(?:SECRET|PASSWORD|TOKEN)\w*")
-
-
-class ConfigError(ValueError):
-    """A configuration the agent cannot run (exit 2, before anything was started)."""
 
 
 class _Stopped(Exception):

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import click
 
-from meshrun.exits import EXIT_USAGE
+from meshrun.exits import EXIT_USAGE, ConfigError  # the launcher's and the agent's
 from meshrun.launcher.build import build_config
-from meshrun.launcher.errors import ConfigError, redact_secrets
+from meshrun.launcher.errors import redact_secrets
 from meshrun.launcher.stdio import survive_closed_console
 from meshrun.launcher.subcommands import SUBCOMMANDS
 
@@ -44,11 +44,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(str(e))
 
     from meshrun.agent import Agent
-    from meshrun.agent import ConfigError as AgentConfigError
 
     try:
         agent = Agent(config)  # checks what only the agent knows (rendezvous settings)
-    except AgentConfigError as e:
+    except ConfigError as e:
         fail(str(e))
     sys.exit(agent.run())
 
