@@ -129,12 +129,24 @@ class RendezvousSettings:
     max_nodes: int
     join_timeout: float = 600.0
     last_call_timeout: float = 1.0
+    #: The last call of round 0, the job's start, when nodes come up seconds apart (pods,
+    #: srun steps): without it a job of MIN < MAX nodes often starts on the first node alone,
+    #: then again with all (torch: 30 s for every round). The given last_call_timeout when
+    #: there is one. A round closes as soon as MAX nodes are in, so a job whose nodes are all
+    #: present starts at once either way.
+    first_last_call_timeout: float = 5.0
     close_timeout: float = 5.0
     keep_alive_interval: float = 0.5
     keep_alive_max_attempt: int = 5
     read_timeout: float = 10.0
     max_restarts: int = 0
     extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A last_call_timeout other than the default, given here directly (tests, benchmarks),
+        # holds for round 0 too, as a given --rdzv-conf last_call_timeout does.
+        if self.last_call_timeout != 1.0 and self.first_last_call_timeout == 5.0:
+            object.__setattr__(self, "first_last_call_timeout", self.last_call_timeout)
 
     @property
     def bind_all(self) -> bool:
@@ -201,6 +213,8 @@ def settings_from_conf(
         else:
             known = ", ".join(sorted([*CONF_KEYS, *BACKEND_CONF_KEYS]))
             raise ValueError(f"--rdzv-conf {key}={raw}: unknown key (known keys: {known})")
+    if "last_call_timeout" in values:  # given: it holds for round 0 too
+        values["first_last_call_timeout"] = values["last_call_timeout"]
     heartbeat_timeout = values.pop("heartbeat_timeout", None)
     if heartbeat_timeout is not None and "keep_alive_max_attempt" not in values:
         interval = values.get("keep_alive_interval", RendezvousSettings.keep_alive_interval)

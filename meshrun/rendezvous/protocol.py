@@ -160,7 +160,39 @@ def _finished(state: JobState) -> str:
     return f"the job finished on the other nodes ({state.reason or 'succeeded'})"
 
 
-# -- the protocol -----------------------------------------------------------------------------
+# -- keys (the layout in the module docstring) --------------------------------------------------
+# ``prefix`` is the job's, `job_prefix`; ``meshrun status`` and ``meshrun stacks`` read the same
+# keys the agents write.
+
+
+def job_prefix(run_id: str) -> str:
+    """The prefix of every key of the job ``run_id``: ``/meshrun/<run_id>/``."""
+    return f"/meshrun/{run_id}/"
+
+
+def state_key(prefix: str) -> str:
+    """The job's state (`JobState`)."""
+    return prefix + "state"
+
+
+def round_key(prefix: str, round: int, *parts: object) -> str:
+    """``r<round>/<parts>``: a key of round ``round`` (``r<round>`` itself without parts)."""
+    return prefix + "/".join(str(p) for p in (f"r{round}", *parts))
+
+
+def nodes_key(prefix: str, round: int) -> str:
+    """The register of round ``round``'s joiners (a prefix: one entry per node)."""
+    return round_key(prefix, round, "node") + "/"
+
+
+def closed_key(prefix: str, round: int) -> str:
+    """Round ``round``'s members, in node-rank order, written once when it closes."""
+    return round_key(prefix, round, "closed")
+
+
+def steps_key(prefix: str, round: int, node_rank: int) -> str:
+    """Node ``node_rank``'s recent step times in round ``round`` (the straggler check's)."""
+    return round_key(prefix, round, "steps", node_rank)
 
 
 def stacks_request_key(prefix: str) -> str:
@@ -169,9 +201,17 @@ def stacks_request_key(prefix: str) -> str:
     return f"{prefix}stacks/request"
 
 
+def stacks_answers_prefix(prefix: str, request_id: str) -> str:
+    """The answers to stacks request ``request_id`` (deleted together once read)."""
+    return f"{prefix}stacks/{request_id}/"
+
+
 def stacks_answer_key(prefix: str, request_id: str, node_rank: int) -> str:
     """Where node ``node_rank`` answers stacks request ``request_id``."""
-    return f"{prefix}stacks/{request_id}/{node_rank}"
+    return f"{stacks_answers_prefix(prefix, request_id)}{node_rank}"
+
+
+# -- the protocol -----------------------------------------------------------------------------
 
 
 class Rendezvous:
@@ -205,7 +245,7 @@ class Rendezvous:
         self.me = me
         self._host_bootstrap = host_bootstrap
         self._clock = clock
-        self._prefix = f"/meshrun/{settings.run_id}/"
+        self._prefix = job_prefix(settings.run_id)
         self._joined: tuple[int, int] | None = None  # (round, position) we registered in
         self._spare_noted = -1
         self._watched_round = -1  # the running round a waiting node watches a member of
@@ -218,11 +258,11 @@ class Rendezvous:
         return self._prefix + "/".join(str(p) for p in parts)
 
     def _round_key(self, round: int, *parts: object) -> str:
-        return self._key(f"r{round}", *parts)
+        return round_key(self._prefix, round, *parts)
 
     def _nodes(self, round: int) -> str:
         """The register of round ``round``'s joiners."""
-        return self._round_key(round, "node") + "/"
+        return nodes_key(self._prefix, round)
 
     def _sweep(self, through: int) -> None:
         """Delete the keys of every round up to ``through`` not deleted yet (see the module
@@ -241,7 +281,7 @@ class Rendezvous:
     # -- state -------------------------------------------------------------------------------
     def read_state(self) -> tuple[JobState, int]:
         """The job state and its version (0 before anyone wrote it)."""
-        item = self.store.get(self._key("state"))
+        item = self.store.get(state_key(self._prefix))
         if item is None:
             return JobState(), 0
         return JobState.from_json(item.value), item.version
@@ -302,7 +342,7 @@ class Rendezvous:
 
     def _read_round(self, round: int) -> tuple[tuple[JobState, int], Versioned | None]:
         """The job state with its version, and round ``round``'s ``closed`` key: one read."""
-        item, closed = self.store.get_many([self._key("state"), self._round_key(round, "closed")])
+        item, closed = self.store.get_many([state_key(self._prefix), self._round_key(round, "closed")])
         state = (JobState(), 0) if item is None else (JobState.from_json(item.value), item.version)
         return state, closed
 
@@ -345,7 +385,7 @@ class Rendezvous:
                     self.request_restart(f"node {lost} lost", failure=False, round=state.round)
                     continue
                 self.store.wait_for_change(
-                    self._key("state"), version, min(_IDLE_WAIT, s.keep_alive_interval)
+                    state_key(self._prefix), version, min(_IDLE_WAIT, s.keep_alive_interval)
                 )
                 self._heartbeat.check()
                 continue
@@ -355,7 +395,8 @@ class Rendezvous:
             if joined is None:
                 joined = self.store.count(self._nodes(target))
             if joined >= s.min_nodes and last_call_at is None:
-                last_call_at = now + s.last_call_timeout
+                last_call_at = now + (s.first_last_call_timeout if target == 0
+                                      else s.last_call_timeout)  # fmt: skip
             count = close_decision(joined, s.min_nodes, s.max_nodes, now, last_call_at)
             if count:
                 # One node closes the round (it reads the joiners: O(N)); the others wait for it,
@@ -553,7 +594,7 @@ class Rendezvous:
             new = next_state(
                 state, failure=failure, reason=reason, max_restarts=self.settings.max_restarts
             )
-            ok, _ = self.store.compare_and_set(self._key("state"), version, new.to_json())
+            ok, _ = self.store.compare_and_set(state_key(self._prefix), version, new.to_json())
             if ok:
                 self._raise_if_ended(new)
                 return reason
@@ -575,7 +616,7 @@ class Rendezvous:
         """Publish this node's ranks' recent step times (an opaque value, for the straggler
         check and ``meshrun status``) for the current round; replaces its last value. One
         read and one write; only this node writes its key."""
-        key = self._round_key(self.info.round, "steps", self.info.node_rank)
+        key = steps_key(self._prefix, self.info.round, self.info.node_rank)
         current = self.store.get(key)
         self.store.compare_and_set(key, current.version if current else 0, value)
 
@@ -585,7 +626,7 @@ class Rendezvous:
         round = self.info.round if round is None else round
         closed = self.store.get(self._round_key(round, "closed"))
         n = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
-        keys = [self._round_key(round, "steps", r) for r in range(n)]
+        keys = [steps_key(self._prefix, round, r) for r in range(n)]
         return [item.value for item in self._get_existing(keys)]
 
     def publish_failures(self, records: list[dict]) -> None:
@@ -715,7 +756,7 @@ class Rendezvous:
             if state.status != RUNNING or state.round != info.round:
                 break
             done = replace(state, status=SUCCEEDED, reason="job finished")
-            if self.store.compare_and_set(self._key("state"), version, done.to_json())[0]:
+            if self.store.compare_and_set(state_key(self._prefix), version, done.to_json())[0]:
                 break
         self.store.set_once(self._round_key(info.round, "alldone"), b"1")
 
