@@ -90,3 +90,19 @@ def test_pod_layout_forms_one_world_in_one_round(tmp_path, layout):
     assert sorted(int(r["rank"]) for r in seen) == list(range(world)), seen
     assert {r["world_size"] for r in seen} == {str(world)} and {r["sum"] for r in seen} == {world}
     assert {r["meshrun_round"] for r in seen} == {"0"}, (seen, errs)  # workers started once
+
+
+def test_shipped_pytorchjob_is_in_the_operators_schema():
+    """configs/pytorchjob.yaml: the fields training-operator v1 reads for an elastic job."""
+    import yaml
+
+    job = yaml.safe_load((REPO / "configs" / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] in ("c10d", "etcd", "etcd-v2")
+    assert policy["minReplicas"] <= policy["maxReplicas"] and policy["maxRestarts"] >= 0
+    assert all(set(item) == {"key", "value"} for item in policy["rdzvConf"])
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    (container,) = worker["template"]["spec"]["containers"]
+    assert container["name"] == "pytorch" and container["command"][0] == "meshrun"
+    assert isinstance(job["spec"]["nprocPerNode"], str)  # the operator's type: a string
