@@ -365,6 +365,7 @@ class Agent:
                 if self._signal is not None:
                     return self._stop_by_signal()
                 self._pass_on_warnings(reaper)
+                self._group.follow_terminal()
                 try:
                     bootstrap.check()  # before a failure it may explain
                     if result is not None and result.state is WorkerState.SUCCEEDED:

@@ -45,6 +45,7 @@ import psutil
 
 from meshrun.agent.errors import WorkerFailure, read_error_file
 from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
+from meshrun.agent.ptys import open_pty, set_size, terminal_size
 from meshrun.agent.reaper import Reaper, scan_processes
 
 __all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState", "become_subreaper"]
@@ -194,6 +195,9 @@ class WorkerGroup:
         )
         self._host = socket.gethostname()
         self._adopt_orphans = adopt_orphans
+        self._real_console = console_stdout is None and console_stderr is None
+        self._ptys: list[int] = []  # copies of the master ends of the workers' terminals
+        self._pty_size: tuple[int, int] | None = None
 
         self._cond = threading.Condition()
         self._workers: list[_Worker] = []
@@ -273,6 +277,21 @@ class WorkerGroup:
                 if w.exitcode not in (None, 0) and (before is None or w.spec.global_rank in before)
             ]
         return _describe(failed)
+
+    def follow_terminal(self) -> None:
+        """Give the workers' pseudo-terminals the console's size when it changed (a resize);
+        called once per monitor tick. A no-op without pseudo-terminals."""
+        if not self._ptys:
+            return
+        size = terminal_size("stdout") or terminal_size("stderr")
+        if size is None or size == self._pty_size:
+            return
+        self._pty_size = size
+        for fd in self._ptys:
+            try:
+                set_size(fd, size)
+            except OSError:  # that worker's forwarder closed it: the worker is gone
+                pass
 
     def running(self) -> list[tuple[WorkerSpec, int]]:
         """``(spec, pid)`` of each worker that is still running, in spec order ([] after
@@ -378,6 +397,9 @@ class WorkerGroup:
                 f.stop(timeout=3.0)  # what is in the pipe reaches the log file (a busy machine)
             for sink in self._sinks:
                 sink.close()
+            for fd in self._ptys:
+                os.close(fd)
+            self._ptys = []
 
     def __enter__(self) -> WorkerGroup:
         self.start()
@@ -411,8 +433,14 @@ class WorkerGroup:
                 os.unlink(spec.error_file)
             except FileNotFoundError:
                 pass
-        out_fd, out_w = os.pipe()
-        err_fd, err_w = os.pipe()
+        # A pseudo-terminal per stream that goes to a terminal (`meshrun.agent.ptys`), else
+        # a pipe; tests that give their own console streams get pipes.
+        out_size = terminal_size("stdout") if spec.console_out and self._real_console else None
+        err_size = terminal_size("stderr") if spec.console_err and self._real_console else None
+        out_fd, out_w = open_pty(out_size) if out_size else os.pipe()
+        err_fd, err_w = open_pty(err_size) if err_size else os.pipe()
+        # our own copies of the masters, to resize them while the forwarders read theirs
+        self._ptys += [os.dup(fd) for fd, size in ((out_fd, out_size), (err_fd, err_size)) if size]
         try:
             proc = subprocess.Popen(
                 list(spec.argv),
