@@ -68,7 +68,15 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
     from meshrun.agent.errors import WorkerFailure
     from meshrun.launcher.status import _open, open_settings
     from meshrun.rendezvous import RendezvousError
-    from meshrun.rendezvous.protocol import JobState, stacks_answer_key, stacks_request_key
+    from meshrun.rendezvous.protocol import (
+        JobState,
+        closed_key,
+        job_prefix,
+        stacks_answer_key,
+        stacks_answers_prefix,
+        stacks_request_key,
+        state_key,
+    )
 
     try:
         backend = parse_rdzv_backend(backend)
@@ -76,7 +84,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
     except ValueProblem as e:
         raise e.at(f"--rdzv-backend {backend} / --rdzv-conf") from None
     settings, secret = open_settings(conf, run_id)
-    prefix = f"/meshrun/{run_id}/"
+    prefix = job_prefix(run_id)
     try:
         store = _open(backend, endpoint, settings)
         if secret is not None:
@@ -84,9 +92,9 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
 
             store = AuthenticatedStore(store, secret, run_id)
         try:
-            item = store.get(prefix + "state")
+            item = store.get(state_key(prefix))
             state = JobState.from_json(item.value) if item is not None else JobState()
-            closed = store.get(f"{prefix}r{state.round}/closed")
+            closed = store.get(closed_key(prefix, state.round))
             if closed is None or state.status != "running":
                 click.echo(f"no running round of job {run_id} at {endpoint}", err=True)
                 return EXIT_NO_JOB
@@ -104,7 +112,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
                     if node_rank not in answers and (got := store.get(k)) is not None:
                         answers[node_rank] = got.value
                 time.sleep(0.2)
-            store.delete_prefix(f"{prefix}stacks/{request}/")
+            store.delete_prefix(stacks_answers_prefix(prefix, request))
         finally:
             store.close()
     except ValueError as e:

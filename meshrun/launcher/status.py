@@ -59,8 +59,9 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
         raise e.at(f"--rdzv-conf {conf_text}") from None
     settings, secret = open_settings(conf, run_id)
     from meshrun.rendezvous.auth import AuthenticatedStore
+    from meshrun.rendezvous.protocol import job_prefix
 
-    prefix = f"/meshrun/{run_id}/"
+    prefix = job_prefix(run_id)
     try:
         store = _open(backend, endpoint, settings)
         if secret is not None:
@@ -115,22 +116,21 @@ def _open(backend: str, endpoint: str, settings):
 
 def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> list[str] | None:
     """The lines ``meshrun status`` prints for the job under ``prefix``; None: no such job."""
-    from meshrun.rendezvous.protocol import JobState
+    from meshrun.rendezvous.protocol import JobState, closed_key, nodes_key, state_key
 
-    item = store.get(prefix + "state")
+    item = store.get(state_key(prefix))
     if item is not None:
         state = JobState.from_json(item.value)
-    elif store.count(prefix + "r0/node/") > 0:
+    elif store.count(nodes_key(prefix, 0)) > 0:
         state = JobState()  # round 0: the state is first written when it changes
     else:
         return None
     lines = [f"round {state.round}, restart count {state.restarts}, status {state.status}"]
     if state.reason:
         lines.append(f"last change: {state.reason}")
-    round_key = f"{prefix}r{state.round}/"
-    closed = store.get(round_key + "closed")
+    closed = store.get(closed_key(prefix, state.round))
     if closed is None:
-        joined = store.count(round_key + "node/")
+        joined = store.count(nodes_key(prefix, state.round))
         lines.append(f"round {state.round} is open: {joined} node(s) joined so far")
     else:
         members = json.loads(closed.value)
@@ -141,20 +141,21 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
                 f"  node rank {rank}: {m['node_id']}  addr {m['addr']}  nproc {m['nproc']}  "
                 f"{alive[m['node_id']]}"
             )
-        lines.extend(_step_times(store, round_key, len(members)))
-    waiting = store.count(f"{prefix}r{state.round + 1}/node/")
+        lines.extend(_step_times(store, prefix, state.round, len(members)))
+    waiting = store.count(nodes_key(prefix, state.round + 1))
     lines.append(f"waiting: {waiting} node(s) for round {state.round + 1}")
     return lines
 
 
-def _step_times(store, round_key: str, num_nodes: int) -> list[str]:
+def _step_times(store, prefix: str, round: int, num_nodes: int) -> list[str]:
     """Each rank's recent step time and busy time (what the straggler check sees; published by
     every node's agent every few seconds), or nothing before the first steps."""
     from meshrun.agent.stragglers import decode_step_times
+    from meshrun.rendezvous.protocol import steps_key
 
     times = {}
     for node_rank in range(num_nodes):
-        item = store.get(f"{round_key}steps/{node_rank}")
+        item = store.get(steps_key(prefix, round, node_rank))
         if item is None:
             continue
         try:
@@ -183,7 +184,9 @@ def _liveness(store, backend: str, node_ids: list[str], interval: float) -> dict
                 remaining, granted = ttl
                 out[node_id] = f"alive (last seen {max(0, granted - remaining)} s ago)"
         return out
-    keys = [f"/liveness/{node_id}" for node_id in node_ids]  # CounterLiveness on TCPStore
+    from meshrun.rendezvous.c10d import LIVENESS_PREFIX
+
+    keys = [LIVENESS_PREFIX + node_id for node_id in node_ids]  # CounterLiveness on TCPStore
     before = [store.add(k, 0) for k in keys]
     wait = max(1.0, 2 * interval)
     time.sleep(wait)

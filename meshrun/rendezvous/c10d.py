@@ -34,6 +34,7 @@ from meshrun.rendezvous.api import RendezvousError, StoreLostError
 from meshrun.rendezvous.store import CounterLiveness, Liveness, Store, Versioned, parse_position
 
 DEFAULT_PORT = 29400
+LIVENESS_PREFIX = "/liveness/"  # <prefix><node_id>: a node's heartbeat counter (`CounterLiveness`)
 
 _CONNECT_LOCK = threading.Lock()
 
@@ -415,7 +416,7 @@ class TCPStoreBackend(Store):
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         # Its own connection: the heartbeat thread must not queue behind a blocked wait.
         client = TCPStoreBackend(self.host, self.port, is_host=False, timeout=self.timeout)
-        return CounterLiveness(client, node_id, dead_after, prefix="/liveness/")
+        return CounterLiveness(client, node_id, dead_after, prefix=LIVENESS_PREFIX)
 
     def close(self) -> None:
         self._store = None
