@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet torch==2.13.0 numpy
-	$(VPY) -m pip install --quiet -e '.[test]'
+	$(VPY) -m pip install --quiet -e '.[test]' torch==2.13.0  # pinned again: never re-resolved
 	touch $(STAMP)
 
 test: install
