@@ -294,7 +294,7 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
     exit_text = first.describe_exit()
     if first.source == "stack":
         exit_text = f"hung, stopped by the agent (exit status {first.exit_status})"
-    hint = _SIGNAL_HINTS.get(first.signal_name or "")
+    hint = _exit_hint(first)
     lines.append(f"  exit       : {exit_text}" + (f" - {hint}" if hint else ""))
     lines.append(f"  time       : {_format_time(first.timestamp_ms)}")
     if first.message:
@@ -340,6 +340,21 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         lines.append(f"Note: {why}")
     lines.append(rule)
     return "\n".join(lines)
+
+
+def _exit_hint(f: WorkerFailure) -> str | None:
+    """A hint for how the worker ended: the signal's usual cause, or, for an abort whose
+    stderr ends in C++'s "terminate called without an active exception", torch's teardown at
+    interpreter exit (a joinable gloo/TCPStore thread destroyed after the script returned)."""
+    if f.signal_name == "SIGABRT" and _TEARDOWN_ABORT in f.traceback[-2000:]:
+        return ("torch's C++ teardown at interpreter exit, likely after the script's own code "
+                "had finished (a gloo or TCPStore thread still running): end the script with "
+                "torch.distributed.destroy_process_group(), as meshrun.parallel.init() "
+                "arranges at exit")
+    return _SIGNAL_HINTS.get(f.signal_name or "")
+
+
+_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def format_places(records: Sequence[WorkerFailure], blamed: Sequence[int] = ()) -> list[str]:

@@ -160,3 +160,14 @@ def test_agent_modules_do_not_import_torch():
         check=True,
         timeout=30,
     )
+
+
+def test_an_abort_in_torchs_teardown_is_named_in_the_report():
+    from meshrun.agent.errors import WorkerFailure, format_report
+
+    f = WorkerFailure(0, 0, 10, -6, 1000, traceback="done\nterminate called without an active "
+                      "exception\n", source="stderr")  # fmt: skip
+    report = format_report([f])
+    assert "signal SIGABRT (exit status 134) - torch's C++ teardown at interpreter exit" in report
+    other = WorkerFailure(0, 0, 10, -6, 1000, traceback="assert failed\n", source="stderr")
+    assert "abort() in native code" in format_report([other])
