@@ -4,7 +4,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean compat
 
 install: $(STAMP)
 
@@ -31,6 +31,20 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check meshrun tests benchmarks examples
+
+# The suite's core against another torch: `make compat TORCH=2.14.1` (not in CI). A venv of its
+# own per version; the core: every strategy's parity tests, checkpoints, the launch contract,
+# hangs, multi-node c10d, torchrun's options. PIP_CONSTRAINT=/dev/null lifts a local cap.
+COMPAT_TESTS := tests/parallel/test_ddp.py tests/parallel/test_fsdp.py tests/parallel/test_tp.py \
+	tests/parallel/test_pp.py tests/parallel/test_checkpoint.py tests/agent/test_launch.py \
+	tests/agent/test_hang.py tests/rendezvous/test_c10d_agents.py \
+	tests/launcher/test_torchrun_parity.py
+compat:
+	@test -n "$(TORCH)" || { echo "give TORCH=<version>, e.g. make compat TORCH=2.14.1"; exit 2; }
+	$(PY) -m venv .venv-torch$(TORCH)
+	.venv-torch$(TORCH)/bin/python -m pip install --quiet torch==$(TORCH) numpy
+	.venv-torch$(TORCH)/bin/python -m pip install --quiet -e '.[test]' torch==$(TORCH)
+	.venv-torch$(TORCH)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
