@@ -68,6 +68,7 @@ from meshrun.rendezvous import (
     check_endpoint,
     open_store,
     settings_from_conf,
+    workers_port,
 )
 from meshrun.rendezvous.c10d import AGENT_ONLY_ENV, bind_address
 
@@ -242,7 +243,9 @@ class Agent:
                 nproc=self.config.nproc_per_node,
                 node_rank_hint=self.config.node_rank,
             )
-            bootstrap = BootstrapStore(self._bootstrap_bind(me.addr))
+            bootstrap = BootstrapStore(
+                self._bootstrap_bind(me.addr), port=workers_port(self.settings)
+            )
             rdzv = Rendezvous(
                 store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
             )

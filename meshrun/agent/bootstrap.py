@@ -37,10 +37,14 @@ class BootstrapStore:
             ("127.0.0.1" for a single-node job, which needs nothing from outside); "" for every
             interface, IPv4 and IPv6 where the host has IPv6 (``--rdzv-conf bind_all=true``).
         timeout: seconds the store waits on a blocking request.
+        port: the port to listen on every round (``--rdzv-conf workers_port=N``: a pod's
+            declared port), or 0 (the OS picks a free one each round). A fixed port still
+            gets a fresh store per round: the last round's is closed before the next binds.
     """
 
-    def __init__(self, bind_addr: str, timeout: float = 1800.0):  # 30 min, as torch's default
+    def __init__(self, bind_addr: str, timeout: float = 1800.0, port: int = 0):  # 30 min: torch's
         self._bind_addr = bind_addr
+        self._wanted_port = port
         self._timeout = timeout
         self._fd: int | None = None  # the listening socket, ours until the store takes it
         self._fd_id: tuple[int, int] | None = None  # its (st_dev, st_ino)
@@ -57,7 +61,7 @@ class BootstrapStore:
         """
         from meshrun.rendezvous.c10d import listen_socket  # no torch import
 
-        sock = listen_socket(self._bind_addr, 0)
+        sock = listen_socket(self._bind_addr, self._wanted_port)
         self._port = sock.getsockname()[1]
         st = os.fstat(sock.fileno())
         self._fd, self._fd_id = sock.detach(), (st.st_dev, st.st_ino)

@@ -37,6 +37,7 @@ __all__ = [
     "Store",
     "StoreLostError",
     "check_endpoint",
+    "workers_port",
     "open_store",
     "settings_from_conf",
 ]
@@ -130,6 +131,7 @@ def check_endpoint(backend: str, endpoint: str, settings: RendezvousSettings) ->
     from meshrun.rendezvous.auth import load_secret
 
     load_secret(settings.extra)
+    workers_port(settings)
     if settings.max_nodes == 1 and backend != "etcd":
         return
     _parse_bool(settings.extra.get("bind_all"), "bind_all")
@@ -144,6 +146,25 @@ def check_endpoint(backend: str, endpoint: str, settings: RendezvousSettings) ->
         if not endpoint:
             raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
         EtcdOptions.from_conf(endpoint, settings.extra, settings.read_timeout)
+
+
+def workers_port(settings: RendezvousSettings) -> int:
+    """``--rdzv-conf workers_port=N``: the port node rank 0's agent hosts the workers' store on
+    every round (a pod's declared port), or 0 (the OS picks one per round).
+
+    Raises:
+        ValueError: not a port number 1..65535.
+    """
+    text = settings.extra.get("workers_port")
+    if text is None:
+        return 0
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f"--rdzv-conf workers_port={text}: give a port number 1..65535")
+    return port
 
 
 def _parse_bool(text: str | None, key: str = "is_host") -> bool | None:

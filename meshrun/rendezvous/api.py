@@ -177,7 +177,7 @@ CONF_KEYS: dict[str, type] = {
 }
 BACKEND_CONF_KEYS = frozenset(
     {"is_host", "bind_all", "cacert", "cert", "key", "user", "password", "password_file",
-     "insecure", "protocol", "store_type", "secret_file"}
+     "insecure", "protocol", "store_type", "secret_file", "workers_port"}
 )  # fmt: skip
 
 

@@ -42,6 +42,7 @@ BAD_INPUTS = {
     "bad signal": ["--signals-to-handle", "SIGNOPE", "train.py"],
     "module with no-python": ["-m", "--no-python", "pkg"],
     "unknown rdzv-conf key": ["--rdzv-conf", "jion_timeout=5", "train.py"],
+    "workers_port out of range": ["--rdzv-conf", "workers_port=70000", "train.py"],
     "c10d without endpoint": ["--rdzv-backend", "c10d", "--nnodes", "2", "train.py"],
     "elastic range on static": ["--nnodes", "1:2", "train.py"],
     "malformed ipv6 endpoint": ["--rdzv-backend", "c10d", "--nnodes", "2",

@@ -333,3 +333,19 @@ def test_timeline_of_a_failure_a_restart_and_a_node_loss(job_factory):
     root = ET.fromstring(svg[svg.index("<svg") : svg.index("</svg>") + len("</svg>")])
     bands = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "band"]
     assert len(bands) >= 3, [g.attrib for g in bands]  # rounds 0, 1 and the one after the loss
+
+
+def test_workers_store_on_a_declared_port_every_round(job_factory):
+    """``--rdzv-conf workers_port=P`` (a pod's declared port): the workers' store listens on P
+    in every round, a fresh store each time (round 1 after a failure meets there too)."""
+    declared = free_port()
+    job = job_factory("2", conf=f"workers_port={declared}")
+    env = {"FAIL_RANK": "1", "FAIL_ATTEMPT": "0"}
+    job.node("--max-restarts", "1", env=env)
+    job.wait_for_store()
+    job.node("--max-restarts", "1", env=env)
+    records = job.wait_records(lambda rs: any(r["meshrun_round"] == 1 for r in rs)
+                               and in_round(1, 2)(rs))  # fmt: skip
+    assert job.finish() == [0, 0], job.logs()
+    assert {r["master_port"] for r in records} == {declared}, records
+    assert {r["meshrun_round"] for r in records} == {0, 1}

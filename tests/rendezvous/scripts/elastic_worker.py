@@ -29,6 +29,7 @@ record = {
                  "MESHRUN_ROUND", "TORCHELASTIC_RESTART_COUNT")
 }
 record["sum"] = int(total.item())
+record["master_port"] = int(os.environ["MASTER_PORT"])
 with open(records, "a") as f:
     f.write(json.dumps(record) + "\n")
 print(f"ready rank={record['rank']} round={record['meshrun_round']}", flush=True)
