@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshrun.parallel.data_check import watch_set_epoch
 from meshrun.parallel.heartbeat import register_stack_dump
 
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -95,6 +96,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         _set_device(cuda, local_rank)
         dist.init_process_group(backend, init_method="env://", **_timeout_kwargs(timeout))
     register_stack_dump()  # lets `meshrun --hang-timeout` show where this rank is stuck
+    watch_set_epoch()  # a shuffling DistributedSampler without set_epoch: one warning
     atexit.register(_destroy_at_exit)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     _context = ParallelContext(rank, local_rank, world_size, device, str(backend))

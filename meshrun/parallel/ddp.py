@@ -56,6 +56,9 @@ Accelerating Data Parallel Training", VLDB 2020):
   a parameter used on some rank gets the group average (other ranks counted as zero).
 - Uneven inputs: `agree_num_batches` (one all-reduce MIN at epoch start); every rank then runs
   that many batches and drops the rest, so no rank waits on a collective that never comes.
+- Data check: at the first forward with grad, the ranks compare a fingerprint of their inputs
+  (one all-gather, once); identical inputs everywhere warn that the data were never sharded
+  (`meshrun.parallel.data_check`; ``MESHRUN_DATA_CHECK=0`` switches it off).
 - ``grad_compression="bf16"|"fp16"``: each bucket is all-reduced in that dtype (half the bytes)
   and the result is copied back into the fp32 bucket.
 """
@@ -71,6 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.parallel._comm import broadcast_from_first_, launched, wait
+from meshrun.parallel.data_check import check_first_input
 from meshrun.parallel.heartbeat import heartbeat
 
 MiB = 1024 * 1024
@@ -188,7 +192,8 @@ class _Reducer:
         self._build_buckets(self._assign(list(reversed(range(len(self.params))))))
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i))
-        module.register_forward_pre_hook(lambda mod, args: self._before_forward())
+        self.first_forward = True  # the data check's once (`meshrun.parallel.data_check`)
+        module.register_forward_pre_hook(lambda mod, args: self._before_forward(args))
 
     # -- public -----------------------------------------------------------------------------
 
@@ -423,10 +428,14 @@ class _Reducer:
 
     # -- buffers ----------------------------------------------------------------------------
 
-    def _before_forward(self) -> None:
-        """Forward pre-hook: broadcast buffers from rank 0 without bumping version counters."""
+    def _before_forward(self, args: tuple) -> None:
+        """Forward pre-hook: broadcast buffers from rank 0 without bumping version counters;
+        at the first forward with grad, check that the ranks' inputs differ (`data_check`)."""
         if self.in_backward:  # a backward that raised never reached _finalize: forget it
             self._reset()
+        if self.first_forward and torch.is_grad_enabled():
+            self.first_forward = False
+            check_first_input(args, self.group, _group_device(self.group))
         if self.buffers and self.sync and torch.is_grad_enabled():
             broadcast_from_first_(self.buffers, self.group, swap_data=True)
 
