@@ -143,7 +143,9 @@ class Agent:
         self._stacks_polled_at = 0.0  # ... last looked for a `meshrun stacks` request
         self._stacks_answered: str | None = None  # the id of the last request answered
         self._signal: int | None = None
-        self._warnings: list[tuple[int, float]] = []  # pass-through signals, monotonic time
+        # pass-through signals: (signum, when the handler ran, when the run loop last looked)
+        self._warnings: list[tuple[int, float, float]] = []
+        self._warnings_looked_at = 0.0  # monotonic time `_pass_on_warnings` last started
         self._reaper_saw: list[tuple[int, float]] = []  # ... that reached the reaper too
         self._group_started_at = 0.0  # monotonic time the running group was started
         self._watch: ProgressWatch | None = None
@@ -781,7 +783,7 @@ class Agent:
     def _on_warning_signal(self, signum: int, frame) -> None:
         # SIGUSR1/SIGUSR2, not in --signals-to-handle: the schedulers' "save soon"; recorded
         # here, passed on by the run loop (`_pass_on_warnings`); the job goes on.
-        self._warnings.append((signum, time.monotonic()))
+        self._warnings.append((signum, time.monotonic(), self._warnings_looked_at))
 
     def _pass_on_warnings(self, reaper: Reaper) -> None:
         """Give each worker a pass-through signal (SIGUSR1/2) the agent received, exactly once.
@@ -792,14 +794,20 @@ class Agent:
         two apart: it got the signal too only in the first case. The agent decides
         `_PROBE_WINDOW_S` after the signal came, and forwards it to every worker's process
         group in the second case."""
-        now = time.monotonic()
-        self._reaper_saw += [(signum, now) for signum in reaper.signals_seen()]
-        self._reaper_saw = [(n, t) for n, t in self._reaper_saw if now - t < 4 * _PROBE_WINDOW_S]
+        now = self._warnings_looked_at = time.monotonic()
+        # The reaper's times are when the signal came. The agent's handler runs later, on the
+        # main thread, when it next runs Python (after a wait() of up to a monitor interval,
+        # or a thread holding the GIL): the signal came after the loop last looked (`since`).
+        self._reaper_saw += reaper.signals_seen()
+        horizon = min((since for _, _, since in self._warnings), default=now)
+        self._reaper_saw = [(n, t) for n, t in self._reaper_saw
+                            if t >= horizon - 2 * _PROBE_WINDOW_S]  # fmt: skip
         while self._warnings and now - self._warnings[0][1] >= _PROBE_WINDOW_S:
-            signum, at = self._warnings.pop(0)
+            signum, at, since = self._warnings.pop(0)
             name = _signal_name(signum)
-            step_wide = next((i for i, (n, t) in enumerate(self._reaper_saw)
-                              if n == signum and abs(t - at) <= 2 * _PROBE_WINDOW_S), None)  # fmt: skip
+            step_wide = next((i for i, (n, t) in enumerate(self._reaper_saw) if n == signum
+                              and since - 2 * _PROBE_WINDOW_S <= t <= at + 2 * _PROBE_WINDOW_S),
+                             None)  # fmt: skip
             passed = False
             if step_wide is not None:
                 del self._reaper_saw[step_wide]

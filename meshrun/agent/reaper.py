@@ -97,6 +97,7 @@ class Reaper:
         self._proc: subprocess.Popen | None = None
         self._wfd: int | None = None
         self._warned = False
+        self._seen_buf = b""  # a partial line of the reaper's signal reports
 
     @property
     def pid(self) -> int | None:
@@ -144,11 +145,14 @@ class Reaper:
             os.set_blocking(proc.stdout.fileno(), False)
             self._proc, self._wfd = proc, wfd
 
-    def signals_seen(self) -> list[int]:
+    def signals_seen(self) -> list[tuple[int, float]]:
         """The warning signals (`PROBED_SIGNALS`) the reaper received since the last call, in
-        order: a signal that reached the reaper too was sent to the whole job step (SLURM's
-        proctrack/linuxproc or cgroup signals every process of the step), so the workers got
-        it as well; one the reaper did not get was sent to the agent alone (or its group)."""
+        order, each with the `time.monotonic()` (CLOCK_MONOTONIC, one clock for every process
+        of the host) at which the reaper got it: a signal that reached the reaper too was sent
+        to the whole job step (SLURM's proctrack/linuxproc or cgroup signals every process of
+        the step), so the workers got it as well; one the reaper did not get was sent to the
+        agent alone (or its group). The reaper's own time, not the time of this call, so an
+        agent that looks seconds later (a long --monitor-interval) still matches them."""
         proc = self._proc
         if proc is None or proc.stdout is None or proc.stdout.closed:
             return []
@@ -158,7 +162,16 @@ class Reaper:
             return []
         except OSError:
             return []
-        return list(data)
+        self._seen_buf += data
+        *lines, self._seen_buf = self._seen_buf.split(b"\n")
+        seen = []
+        for line in lines:
+            signum, _, at = line.partition(b" ")
+            try:
+                seen.append((int(signum), float(at)))
+            except ValueError:
+                continue
+        return seen
 
     def watch(self, pgid: int) -> None:
         """Ask the reaper to SIGKILL process group ``pgid`` if the agent dies."""
@@ -225,7 +238,7 @@ def _main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     # The schedulers' warning signals: not the reaper's to die of; each one received is told
-    # to the agent (one byte, the signal number), which learns from it whether the signal
+    # to the agent (a line: the signal number and the monotonic time it came), which learns from it whether the signal
     # went to the whole job step (and so to the workers) or to the agent alone.
     os.set_blocking(1, False)
     for sig in PROBED_SIGNALS:
@@ -265,8 +278,8 @@ def _main() -> int:
 
 
 def _tell_agent(signum: int, frame) -> None:
-    try:
-        os.write(1, bytes([signum]))
+    try:  # one line, far below PIPE_BUF: written whole
+        os.write(1, b"%d %.6f\n" % (signum, time.monotonic()))
     except OSError:  # the agent is gone or not reading: nothing to tell
         pass
 

@@ -74,3 +74,18 @@ def test_listed_warning_signal_stops_the_job_as_torchrun(launch, tmp_path):
     os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGUSR1, err
+
+
+def test_step_wide_warning_is_not_doubled_under_a_long_monitor_interval(launch, tmp_path):
+    # The reaper's report used to be timed when the agent read it, a monitor interval after
+    # the signal: under --monitor-interval 2 (torchrun's old default was 5) a signal sent to
+    # every process of the step was forwarded again, and each worker got it twice.
+    proc = _start(launch, tmp_path, "--monitor-interval", "2")
+    agent = psutil.Process(proc.pid)
+    for p in [agent, *agent.children(recursive=True)]:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)  # _finish waits 1 s more: past the agent's next look and its decision
+    code, err, counts = _finish(proc, tmp_path)
+    assert code == 0, err
+    assert counts == ["1 0", "1 0"], (counts, err)
+    assert "sent to the whole job step" in err, err
