@@ -350,7 +350,14 @@ class Agent:
     def _open(self, bootstrap: BootstrapStore, me: NodeDesc) -> tuple[str, int]:
         """Start the round's workers' store (on node rank 0); return its address."""
         bootstrap.close()
-        return me.addr, bootstrap.open()
+        try:
+            return me.addr, bootstrap.open()
+        except OSError as e:  # a --rdzv-conf workers_port=N that another process holds
+            port = workers_port(self.settings) or "a free port"
+            raise RendezvousError(
+                f"cannot host the workers' store on {me.addr} port {port}: "
+                f"{e.strerror or e} (is --rdzv-conf workers_port already in use?)"
+            ) from None
 
     def _loop(self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore) -> int:
         c = self.config

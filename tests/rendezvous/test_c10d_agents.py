@@ -349,3 +349,26 @@ def test_workers_store_on_a_declared_port_every_round(job_factory):
     assert job.finish() == [0, 0], job.logs()
     assert {r["master_port"] for r in records} == {declared}, records
     assert {r["meshrun_round"] for r in records} == {0, 1}
+
+
+@pytest.mark.timeout(60)
+def test_declared_workers_port_held_by_another_process_is_one_line(tmp_path):
+    """A ``workers_port`` another process listens on (a second job on the host with the same
+    port) is one line naming the port, exit 3 (it was a traceback, exit 1)."""
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('a worker ran')\n")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "meshrun", "--nproc-per-node", "1", "--rdzv-conf",
+             f"workers_port={port}", str(script)],
+            capture_output=True, text=True, timeout=50,
+        )  # fmt: skip
+    finally:
+        holder.close()
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"port {port}" in out.stderr and "workers_port" in out.stderr, out.stderr
