@@ -187,3 +187,14 @@ def test_a_password_never_reaches_an_error_line(cwd: Path, source: str, run_mesh
     proc = run_meshrun(args, cwd, **env)
     assert proc.returncode == 2 and "join_timeout=soon" in proc.stderr, proc.stderr
     assert SECRET not in proc.stderr + proc.stdout and "***" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("conf", [f"auth_token={SECRET},join_timout=5", f"secrets={SECRET}",
+                                  f"etcd_password={SECRET},x=,y"])  # fmt: skip
+def test_a_secret_under_another_key_name_never_reaches_an_error_line(cwd: Path, conf: str,
+                                                                      run_meshrun):  # fmt: skip
+    """Keys with a secret's word in their name (auth_token, etcd_password, a typo such as
+    secrets) were quoted in the error line with their values in clear."""
+    proc = run_meshrun(["--rdzv-conf", conf, "train.py"], cwd)
+    assert proc.returncode == 2, proc.stderr
+    assert SECRET not in proc.stderr + proc.stdout and "***" in proc.stderr, proc.stderr
