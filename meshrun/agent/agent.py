@@ -974,7 +974,7 @@ def _is_loopback(addr: str) -> bool:
         pass
     try:
         infos = socket.getaddrinfo(addr, None)
-    except OSError:
+    except (OSError, UnicodeError):
         return False
     return bool(infos) and all(_is_loopback_literal(i[4][0].split("%")[0]) for i in infos)
 

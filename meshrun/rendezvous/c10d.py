@@ -110,7 +110,7 @@ def is_local_endpoint(host: str) -> bool:
         pass
     try:
         infos = socket.getaddrinfo(host, None)
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: a label over 63 characters (idna)
         return False
     return any(info[4][0].split("%")[0] in mine for info in infos)
 
@@ -122,7 +122,7 @@ def outbound_address(host: str, port: int) -> str:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((host, port))
             return s.getsockname()[0]
-    except OSError:
+    except (OSError, UnicodeError):
         return socket.gethostname()
 
 
@@ -137,7 +137,7 @@ def bind_address(host: str) -> str | None:
     except ValueError:
         try:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except OSError:
+        except (OSError, UnicodeError):
             return None
         candidates = [info[4][0].split("%")[0] for info in infos]
     for addr in candidates:
@@ -428,7 +428,7 @@ def _tcp_fds_to(host: str, port: int) -> set[int]:
 
     try:
         addrs = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
-    except OSError:
+    except (OSError, UnicodeError):
         return set()
     addrs |= {f"::ffff:{a}" for a in addrs}
     return {
