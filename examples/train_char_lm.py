@@ -60,7 +60,15 @@ import torch
 import torch.distributed as dist
 from char_lm.data import batch_summary, check_batch, load_text, microbatches, window_ids, windows
 from char_lm.model import CharLM
-from char_lm.parallelize import clip_gradients, forward_backward, layout_problem, parallelize_lm
+from char_lm.parallelize import (
+    clip_gradients,
+    evaluate,
+    forward_backward,
+    layout_problem,
+    parallelize_lm,
+)
+
+from meshrun.parallel import busy
 
 # -------------------------------------------------------------------------------------------
 # flags (defaults tuned so 300 steps on 2 CPU ranks take well under 3 minutes)
@@ -81,6 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--log-every", type=int, default=DEFAULTS["log_every"])
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps, the mean loss over --eval-batches fixed batches of "
+                   "windows (no gradients; inside meshrun.parallel.busy(), so a long "
+                   "evaluation is progress for --hang-timeout); not with --pp")
+    p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"])
     p.add_argument("--dp-mode", choices=DP_MODES, default="ddp")
@@ -246,6 +259,13 @@ def main(argv=None):
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     stop = StopRequest(device) if args.checkpoint_dir else None
     n_windows = (len(data) - 1) // args.block_size
+    eval_batches = []
+    if args.eval_every:
+        if args.pp > 1:
+            raise SystemExit("--eval-every: not with --pp (the pipeline has no forward-only step here)")
+        ids = window_ids(0, args.eval_batches * global_batch, n_windows, args.seed + 1)
+        eval_batches = [windows(data, part, args.block_size)
+                        for part in microbatches(ids, par.dp_rank, par.dp_size, args.eval_batches)]
     t0 = time.perf_counter()
     for step in range(start, args.steps):
         if step == args.fail_at_step and master and restart_count == 0:
@@ -267,6 +287,11 @@ def main(argv=None):
         optimizer.step()
         position += global_batch
 
+        if args.eval_every and done % args.eval_every == 0:
+            with busy("evaluation"):  # every rank takes part: none of them beats meanwhile
+                val = evaluate(par, eval_batches, device)
+            if master:
+                print(f"step {done} | eval loss {val:.4f}", flush=True)
         if log:
             if distributed:  # the shares of the dp ranks add up; --tp: each TP rank has it
                 dist.all_reduce(loss)

@@ -248,6 +248,20 @@ def forward_backward(par, batches, global_batch, device):
     return total
 
 
+@torch.no_grad()
+def evaluate(par, batches, device) -> float:
+    """The mean loss over every rank's evaluation ``batches`` (no gradients, no pipeline): each
+    data-parallel rank evaluates its part, and the sums meet in one all-reduce (tensor-parallel
+    peers hold the same part: their copies cancel in the ratio)."""
+    total = torch.zeros(2, device=device)  # [sum of loss x windows, windows]
+    for x, y in batches:
+        total[0] += par.model(x.to(device), y.to(device)) * len(x)
+        total[1] += len(x)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
 def sync_gradients(model, enabled):
     """Gradient accumulation: synchronise gradients only on the last microbatch."""
     if enabled and not hasattr(model, "set_requires_gradient_sync"):
