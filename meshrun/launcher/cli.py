@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     2 after one ``meshrun: error: ...`` line on stderr for bad input.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0].replace("_", "-").split("=")[0] == "--print-completion":
+        shell = args[0].split("=", 1)[1] if "=" in args[0] else (args[1] if len(args) > 1 else "")
+        sys.exit(print_completion(shell))
     if args and args[0] in SUBCOMMANDS and not os.path.exists(args[0]):
         sys.exit(run_subcommand(args[0], args[1:]))
     try:
@@ -75,6 +78,22 @@ def console_main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def print_completion(shell: str) -> int:
+    """``meshrun --print-completion SHELL`` (torchrun 2.14's option): click's completion script
+    for meshrun on stdout, exit 0; one line and exit 2 for a shell click does not complete."""
+    from click.shell_completion import get_completion_class
+
+    from meshrun.launcher.options import make_command
+
+    cls = get_completion_class(shell) if shell in ("bash", "zsh") else None
+    if cls is None:
+        click.echo(f"meshrun: error: --print-completion {shell or '(none)'}: meshrun completes "
+                   "bash and zsh; give one of them", err=True)  # fmt: skip
+        return EXIT_USAGE
+    click.echo(cls(make_command(), {}, "meshrun", "_MESHRUN_COMPLETE").source())
+    return 0
 
 
 def run_subcommand(name: str, args: list[str]) -> int:

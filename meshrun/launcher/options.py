@@ -148,7 +148,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
               "this size (e.g. 100M; K, M, G are powers of 1024), keeping 3 older files "
               "(.1 the newest). Default: no rotation."),
     _opt("log_line_prefix_template", group=OUTPUT, pet=False, metavar="TEMPLATE",
-         env=("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",),
+         env=("PET_LOG_LINE_PREFIX_TEMPLATE", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),  # torch 2.14: PET_
          help="Prefix of console lines, e.g. '[${role_name}${rank}]:' (${role_name}, "
               "${rank}, ${local_rank}). Default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, "
               "else [host:rank]."),
@@ -161,6 +161,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
               "stragglers) to events.jsonl in its log directory, for 'meshrun timeline'; "
               "console also prints each on stderr."),
     # -- no effect --------------------------------------------------------------------------
+    _opt("print_completion", group=OUTPUT, pet=False, metavar="bash|zsh|tcsh",
+         help="Print a shell completion script for meshrun to stdout and exit (bash, zsh; "
+              "give it first: meshrun --print-completion zsh > ~/.zsh/completions/_meshrun)."),
     _opt("start_method", group=NO_EFFECT, default="spawn", metavar="spawn|fork|forkserver",
          help="Workers are always fresh processes."),
     _opt("logs_specs", group=NO_EFFECT, pet=False, metavar="NAME",

@@ -198,3 +198,10 @@ def test_a_secret_under_another_key_name_never_reaches_an_error_line(cwd: Path, 
     proc = run_meshrun(["--rdzv-conf", conf, "train.py"], cwd)
     assert proc.returncode == 2, proc.stderr
     assert SECRET not in proc.stderr + proc.stdout and "***" in proc.stderr, proc.stderr
+
+
+def test_print_completion_as_torchrun_214(tmp_path, run_meshrun):
+    done = run_meshrun(["--print-completion", "bash"], tmp_path)
+    assert done.returncode == 0 and "_MESHRUN_COMPLETE" in done.stdout, done.stderr
+    bad = run_meshrun(["--print-completion", "tcsh"], tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -14,7 +14,8 @@ from meshrun.launcher.options import BY_NAME, NUMA_MODES, OPTIONS, START_METHODS
 run = pytest.importorskip("torch.distributed.run")
 pytestmark = pytest.mark.timeout(60)
 
-MESHRUN_OWN = {"hang_timeout", "log_line_prefix_template", "log_max_bytes", "raw_console"}
+MESHRUN_OWN = {"hang_timeout", "log_line_prefix_template", "log_max_bytes", "raw_console",
+               "print_completion"}  # the last: torchrun's own from 2.14 on
 # Defaults that differ on purpose: None means "not given" and lets the rendezvous decide.
 DIFFERENT_DEFAULT = {"node_rank"}
 
@@ -45,18 +46,22 @@ def test_defaults_and_env_fallbacks_match(action: argparse.Action):
             theirs = ",".join(theirs)
         if isinstance(theirs, (int, float)) and not isinstance(theirs, bool):
             theirs = str(theirs)
+        if action.dest == "log_line_prefix_template":
+            theirs = theirs or None  # torch 2.13: None; 2.14: "" (both: no template)
         assert spec.default == theirs
     reads_pet = type(action).__name__ in ("env", "check_env")
+    if action.dest == "log_line_prefix_template":
+        reads_pet = True  # torch 2.13 reads only TORCHELASTIC_...; 2.14 adds PET_...: meshrun both
     assert (f"PET_{action.dest.upper()}" in spec.env) == reads_pet
     assert spec.is_flag == (action.nargs == 0)
     if action.choices:
-        assert tuple(action.choices) in (START_METHODS, NUMA_MODES)
+        assert tuple(action.choices) in (START_METHODS, NUMA_MODES, ("bash", "zsh", "tcsh"))
 
 
 def test_same_reading_as_torchrun(workdir):
     argv = [
         "--nnodes", "1:3", "--nproc_per_node", "3", "--rdzv-backend", "c10d",
-        "--rdzv_endpoint", "h:1", "--rdzv-id", "j", "--rdzv_conf", "a=b, c = d",
+        "--rdzv_endpoint", "h:1", "--rdzv-id", "j", "--rdzv_conf", "join_timeout=5, read_timeout = 7",
         "--max_restarts", "2", "--monitor-interval", "0.5", "-r", "0:1,2:3", "--tee", "2",
         "--local_ranks_filter", "0,2", "--duplicate-stdout-filters", "a,,b,c",
         "--role", "trainer", "--master_addr", "10.0.0.1", "--log_dir", "L",
