@@ -52,6 +52,11 @@ _SIGNAL_HINTS = {
     "SIGSEGV": "a crash in native code (a C/C++/CUDA extension)",
     "SIGABRT": "abort() in native code, e.g. a failed assertion or an NCCL/c10 error",
     "SIGBUS": "a bad memory access, e.g. /dev/shm too small for shared memory",
+    "SIGUSR1": "a scheduler's warning (SLURM --signal, scancel -s USR1), which meshrun passes to "
+               "the workers: this script has no handler for it; install one to save on the "
+               "warning, or list SIGUSR1 in --signals-to-handle to stop the job instead",
+    "SIGUSR2": "a scheduler's warning, passed to the workers: this script has no handler for "
+               "it; install one, or list SIGUSR2 in --signals-to-handle",
 }
 
 
