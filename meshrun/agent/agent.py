@@ -690,6 +690,11 @@ class Agent:
         failure, the ranks that failed a moment after the first (they were not in its report
         yet) are published too."""
         stopped = self._take_stacks() if fault and not self._stacks_taken else []
+        if stopped:  # at once: a node that reports before this one's stop ends still has them
+            try:
+                rdzv.publish_failures([self._record(f) for f in stopped])
+            except RendezvousError:
+                pass  # the store is gone: this node's own report still lists them
         self._watch = None
         failures: list[WorkerFailure] = []
         if self._group is not None:  # a signal that came meanwhile is what the workers get
