@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
-from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
+from meshrun.agent.errors import (
+    WorkerFailure,
+    culprits,
+    describe_place,
+    format_report,
+    root_cause,
+)
 from meshrun.agent.events import EVENT_FILE, EventLog
 from meshrun.agent.hang import Hang, ProgressWatch, progress_env
 from meshrun.agent.logs import UnsafeLogDir, make_private_dir
@@ -912,12 +918,7 @@ def _signal_name(signum: int) -> str:
 
 def _place(f: WorkerFailure) -> str:
     """Where a stopped rank was, in one line: "waiting in barrier at x.py:3 in f; stack: P"."""
-    if f.state == "waiting":
-        place = f"waiting in {f.collective or 'a collective'}"
-    elif f.state == "running":
-        place = "running, outside any collective"
-    else:
-        place = "place unknown"
+    place = describe_place(f)
     found = f"; stack: {f.stack_path}" if f.stack_path else f" ({f.stack_problem})"
     return f"{place} at {f.at}{found}"
 

@@ -373,14 +373,19 @@ def format_places(records: Sequence[WorkerFailure], blamed: Sequence[int] = ()) 
     return lines
 
 
+def describe_place(f: WorkerFailure) -> str:
+    """Where a rank was, in a few words: "waiting in barrier", "running, outside any
+    collective", or "place unknown"."""
+    if f.state == "waiting":
+        return f"waiting in {f.collective or 'a collective'}"
+    if f.state == "running":
+        return "running, outside any collective"
+    return "place unknown"
+
+
 def _place_lines(f: WorkerFailure, blamed: bool) -> list[str]:
     """One rank: its place, then its main thread's innermost frames."""
-    if f.state == "waiting":
-        place = f"waiting in {f.collective or 'a collective'}"
-    elif f.state == "running":
-        place = "running, outside any collective"
-    else:
-        place = "place unknown"
+    place = describe_place(f)
     if blamed:
         place = f"LIKELY CAUSE, {place}"
     head = f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {place}"

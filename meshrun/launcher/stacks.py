@@ -66,7 +66,7 @@ def stacks(log_dirs, backend, endpoint, run_id, conf_text, timeout) -> int:
 
 def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeout: float) -> int:
     from meshrun.agent.errors import WorkerFailure
-    from meshrun.launcher.status import _open, open_settings
+    from meshrun.launcher.status import open_job_store
     from meshrun.rendezvous import RendezvousError
     from meshrun.rendezvous.protocol import (
         JobState,
@@ -83,14 +83,9 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
         conf, _ = parse_rdzv_conf(conf_text)
     except ValueProblem as e:
         raise e.at(f"--rdzv-backend {backend} / --rdzv-conf") from None
-    settings, secret = open_settings(conf, run_id)
     prefix = job_prefix(run_id)
     try:
-        store = _open(backend, endpoint, settings)
-        if secret is not None:
-            from meshrun.rendezvous.auth import AuthenticatedStore
-
-            store = AuthenticatedStore(store, secret, run_id)
+        store, _ = open_job_store(backend, endpoint, conf, run_id)
         try:
             item = store.get(state_key(prefix))
             state = JobState.from_json(item.value) if item is not None else JobState()

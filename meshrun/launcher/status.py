@@ -57,15 +57,11 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
         conf, _ = parse_rdzv_conf(conf_text)
     except ValueProblem as e:
         raise e.at(f"--rdzv-conf {conf_text}") from None
-    settings, secret = open_settings(conf, run_id)
-    from meshrun.rendezvous.auth import AuthenticatedStore
     from meshrun.rendezvous.protocol import job_prefix
 
     prefix = job_prefix(run_id)
     try:
-        store = _open(backend, endpoint, settings)
-        if secret is not None:
-            store = AuthenticatedStore(store, secret, run_id)
+        store, settings = open_job_store(backend, endpoint, conf, run_id)
         try:
             lines = describe(store, prefix, backend, settings.keep_alive_interval)
         finally:
@@ -101,6 +97,23 @@ def open_settings(conf: dict, run_id: str):
         return settings, load_secret(settings.extra)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def open_job_store(backend: str, endpoint: str, conf: dict, run_id: str):
+    """A client of the job's rendezvous store (never its host, holding no lease), through the
+    job's shared secret when it has one; returns ``(store, settings)``.
+
+    Raises:
+        ConfigError: a bad ``--rdzv-conf`` value or secret.
+        RendezvousError: the store cannot be reached.
+    """
+    settings, secret = open_settings(conf, run_id)
+    store = _open(backend, endpoint, settings)
+    if secret is not None:
+        from meshrun.rendezvous.auth import AuthenticatedStore
+
+        store = AuthenticatedStore(store, secret, run_id)
+    return store, settings
 
 
 def _open(backend: str, endpoint: str, settings):
