@@ -181,8 +181,9 @@ def collect_stacks(
                 if (proc.returncode != 0 or not text.strip()) and key in stacks:
                     continue  # the faulthandler dump (threads cut) it was to complete
                 if proc.returncode != 0 or not text.strip():
-                    stacks[key] = _missing(t, f"py-spy failed (exit {proc.returncode}; ptrace "
-                                              "not permitted?)")  # fmt: skip
+                    why = ("the worker was exiting" if _exiting(t.pid)
+                           else f"py-spy failed (exit {proc.returncode}; ptrace not permitted?)")  # fmt: skip
+                    stacks[key] = _missing(t, f"no stack: {why}")
                     continue
                 path = _save(t.save_to, text)
                 stacks[key] = Stack(main_first(text), main_thread(text), path, "py-spy")
@@ -415,6 +416,15 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:
+        return True
+
+
+def _exiting(pid: int) -> bool:
+    """Whether ``pid`` is gone, a zombie, or in its exit (``/proc/PID/stat`` state Z, X)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X", "x")
+    except (OSError, IndexError):
         return True
 
 

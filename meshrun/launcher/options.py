@@ -92,7 +92,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     _opt("rdzv_conf", group=RDZV, default="", metavar="K=V,...",
          help="Rendezvous settings, e.g. join_timeout=600,last_call_timeout=30. "
               "timeout= is read as join_timeout=. bind_all=true: the stores this node hosts "
-              "listen on every interface (default: the endpoint's or advertised address only)."),
+              "listen on every interface (default: the endpoint's or advertised address only). "
+              "secret_file=PATH: a shared secret sealing every rendezvous value. "
+              "workers_port=N: the workers' store on a fixed port. All keys: docs/rendezvous.md."),
     _opt("master_addr", group=RDZV, default="127.0.0.1", metavar="HOST",
          help="Address of node rank 0, for the static rendezvous."),
     _opt("master_port", group=RDZV, metavar="PORT",
@@ -161,7 +163,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
               "stragglers) to events.jsonl in its log directory, for 'meshrun timeline'; "
               "console also prints each on stderr."),
     # -- no effect --------------------------------------------------------------------------
-    _opt("print_completion", group=OUTPUT, pet=False, metavar="bash|zsh|tcsh",
+    _opt("print_completion", group=OUTPUT, pet=False, metavar="bash|zsh",
          help="Print a shell completion script for meshrun to stdout and exit (bash, zsh; "
               "give it first: meshrun --print-completion zsh > ~/.zsh/completions/_meshrun)."),
     _opt("start_method", group=NO_EFFECT, default="spawn", metavar="spawn|fork|forkserver",

@@ -51,13 +51,13 @@ from meshrun.launcher.values import ValueProblem, parse_rdzv_backend, parse_rdzv
               help="Seconds to wait for every node's answer.")  # fmt: skip
 def stacks(log_dirs, backend, endpoint, run_id, conf_text, timeout) -> int:
     if log_dirs and (backend or endpoint or run_id):
-        raise ConfigError("meshrun stacks: give log directories or --rdzv-backend/"
-                          "--rdzv-endpoint/--rdzv-id, not both")  # fmt: skip
+        raise ConfigError("give log directories or --rdzv-backend/--rdzv-endpoint/--rdzv-id, "
+                          "not both")  # fmt: skip
     if log_dirs:
         return _from_log_dirs(list(log_dirs))
     if not (backend and endpoint and run_id):
-        raise ConfigError("meshrun stacks: give the job's --rdzv-backend, --rdzv-endpoint and "
-                          "--rdzv-id (a multi-node job), or its log directory (one node)")
+        raise ConfigError("give the job's --rdzv-backend, --rdzv-endpoint and --rdzv-id (a "
+                          "multi-node job), or its log directory (one node)")
     return _from_store(backend, endpoint, run_id, conf_text, timeout)
 
 
@@ -68,6 +68,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
     from meshrun.agent.errors import WorkerFailure
     from meshrun.launcher.status import open_job_store
     from meshrun.rendezvous import RendezvousError
+    from meshrun.rendezvous.api import decode_json
     from meshrun.rendezvous.protocol import (
         JobState,
         closed_key,
@@ -93,7 +94,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
             if closed is None or state.status != "running":
                 click.echo(f"no running round of job {run_id} at {endpoint}", err=True)
                 return EXIT_NO_JOB
-            members = json.loads(closed.value)
+            members = decode_json(closed.value, "a round's members")
             request = uuid.uuid4().hex[:12]
             key = stacks_request_key(prefix)
             current = store.get(key)
@@ -142,8 +143,11 @@ def _from_log_dirs(log_dirs: list[Path]) -> int:
     files = []
     for d in log_dirs:
         if not d.exists():
-            raise ConfigError(f"meshrun stacks: {d}: no such directory")
-        files += [d] if d.is_file() else sorted(d.rglob(EVENT_FILE))
+            raise ConfigError(f"{d}: no such directory")
+        found = [d] if d.is_file() else sorted(d.rglob(EVENT_FILE))
+        # the directory the agent prints ("logs in .../attempt_N") or a rank's: its agent's log
+        found = found or [p / EVENT_FILE for p in list(d.parents)[:2] if (p / EVENT_FILE).is_file()]
+        files += found
     workers = []  # (agent dir, round, event) of each running worker
     for path in files:
         running = _running_workers(path)
@@ -197,7 +201,7 @@ def _running_workers(path: Path) -> list[tuple[int, dict]]:
                 if isinstance(event, dict):
                     events.append(event)
     except OSError as e:
-        raise ConfigError(f"meshrun stacks: cannot read {path}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
     if not events or events[-1].get("kind") == "agent_exit":
         return []
     starts = [e for e in events if e.get("kind") == "round_start"]

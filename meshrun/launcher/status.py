@@ -19,7 +19,6 @@ cannot be reached or refused us. torch is imported for c10d only (TCPStore), nev
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
@@ -64,6 +63,11 @@ def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
         store, settings = open_job_store(backend, endpoint, conf, run_id)
         try:
             lines = describe(store, prefix, backend, settings.keep_alive_interval)
+            if getattr(store, "rejected", False):  # what it read was not sealed by this secret
+                raise RendezvousError(
+                    f"the values of job {run_id} are not sealed with this secret: give the "
+                    "job's own secret_file (or MESHRUN_RDZV_SECRET)"
+                )
         finally:
             store.close()
     except ValueError as e:
@@ -124,11 +128,35 @@ def _open(backend: str, endpoint: str, settings):
     from meshrun.rendezvous import c10d
 
     host, port = c10d.parse_endpoint(endpoint, 29500 if backend == "static" else c10d.DEFAULT_PORT)
+    _listening(host, port)
     return c10d.TCPStoreBackend(host, port, is_host=False, timeout=settings.read_timeout)
+
+
+def _listening(host: str, port: int) -> None:
+    """Say at once when nothing listens at the c10d store's address (the job has ended, or the
+    endpoint is wrong), rather than after TCPStore's own connect timeout.
+
+    Raises:
+        StoreLostError: the connection was refused or the host cannot be reached.
+    """
+    import socket
+
+    from meshrun.rendezvous.api import StoreLostError
+    from meshrun.rendezvous.c10d import check_resolves
+
+    check_resolves(host, port, "the rendezvous store")
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=STATUS_READ_TIMEOUT).close()
+    except OSError as e:
+        raise StoreLostError(
+            f"nothing answers at {host}:{port} ({e.strerror or e}): the job has finished, or "
+            "the endpoint is not its --rdzv-endpoint"
+        ) from None
 
 
 def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> list[str] | None:
     """The lines ``meshrun status`` prints for the job under ``prefix``; None: no such job."""
+    from meshrun.rendezvous.api import decode_json
     from meshrun.rendezvous.protocol import JobState, closed_key, nodes_key, state_key
 
     item = store.get(state_key(prefix))
@@ -146,7 +174,7 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
         joined = store.count(nodes_key(prefix, state.round))
         lines.append(f"round {state.round} is open: {joined} node(s) joined so far")
     else:
-        members = json.loads(closed.value)
+        members = decode_json(closed.value, "a round's members")
         alive = _liveness(store, backend, [m["node_id"] for m in members], keep_alive_interval)
         lines.append(f"nodes ({len(members)}):")
         for rank, m in enumerate(members):

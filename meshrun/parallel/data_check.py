@@ -28,6 +28,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from meshrun.parallel._comm import ALL_GATHER
+
 #: Bytes of each tensor argument that go into the fingerprint (the head of its storage).
 FINGERPRINT_BYTES = 1 << 20
 _warned: set[str] = set()
@@ -48,7 +50,7 @@ def check_first_input(args: tuple, group, device: torch.device) -> None:
     digest = fingerprint(args)
     mine = torch.tensor([digest, 1 if digest else 0], dtype=torch.int64, device=device)
     every = torch.empty(dist.get_world_size(group) * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    getattr(dist, ALL_GATHER)(every, mine, group=group)  # torch 2.13's name or the old one
     pairs = every.view(-1, 2).tolist()
     if all(has for _, has in pairs) and len({d for d, _ in pairs}) == 1:
         if dist.get_rank(group) == 0:

@@ -34,6 +34,12 @@ def decode_json(raw: bytes, what: str, make=lambda value: value):
     try:
         return make(json.loads(raw))
     except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        if bytes(raw[:2]) == b"M1":  # auth.py's seal: the job has a secret this process lacks
+            raise RendezvousError(
+                f"a rendezvous value ({what}) is sealed with the job's shared secret, which "
+                "this process was not given: give it the same --rdzv-conf secret_file=PATH "
+                "(or MESHRUN_RDZV_SECRET) as the job's other nodes"
+            ) from None
         raise RendezvousError(
             f"a rendezvous value ({what}) is malformed: {bytes(raw)[:60]!r} ({e}); another "
             f"program is writing to the job's store: give the job its own --rdzv-id, bind the "

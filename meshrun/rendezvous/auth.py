@@ -189,6 +189,11 @@ class AuthenticatedStore(Store):
             return None
         return name.decode(errors="replace"), value
 
+    @property
+    def rejected(self) -> bool:
+        """Whether a value read failed the secret's check (a different secret, a forger)."""
+        return bool(self._warned)
+
     def _rejected(self, key: str, raw: bytes) -> None:
         if key not in self._warned:
             self._warned.add(key)

@@ -87,6 +87,10 @@ def test_one_node_job_stacks_from_its_log_dir(tmp_path):
         assert done.returncode == 0, done.stderr
         assert "1 agent log(s): 2 rank(s)" in done.stdout, done.stdout
         _check(done.stdout)
+        attempt = next(logs.rglob("attempt_0"))  # the directory the agent prints
+        again = subprocess.run([sys.executable, "-m", "meshrun", "stacks", str(attempt)],
+                               env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert again.returncode == 0 and "1 agent log(s): 2 rank(s)" in again.stdout, again.stderr
     finally:
         _finish(procs, stop)
     gone = subprocess.run([sys.executable, "-m", "meshrun", "stacks", str(logs)],

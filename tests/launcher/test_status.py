@@ -135,3 +135,15 @@ def test_c10d_status_shows_each_ranks_step_times(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_nothing_listening_is_said_at_once(tmp_path):
+    import time
+
+    from support import free_port as port_for
+
+    start = time.monotonic()
+    done = status("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port_for()}",
+                  "--rdzv-id", "gone", torch_ok=True)  # fmt: skip
+    assert done.returncode == 3 and "nothing answers at 127.0.0.1" in done.stderr, done.stderr
+    assert time.monotonic() - start < 10  # well below TCPStore's own connect timeout

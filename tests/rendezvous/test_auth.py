@@ -145,3 +145,18 @@ def test_secret_sources_and_refusals(tmp_path):
         settings_from_conf({"secret": "hunter2"}, run_id="j", min_nodes=1, max_nodes=2,
                            max_restarts=0)  # fmt: skip
     assert "hunter2" not in str(info.value)
+
+
+def test_a_sealed_value_read_without_the_secret_names_the_secret():
+    """A node (or meshrun status) without the job's secret reads sealed values: one line that
+    says to give it the secret, not "malformed ... another program"."""
+    import pytest as _pytest
+
+    from meshrun.rendezvous import MemoryStore, RendezvousError
+    from meshrun.rendezvous.api import decode_json
+    from meshrun.rendezvous.auth import AuthenticatedStore
+
+    inner = MemoryStore()
+    AuthenticatedStore(inner, b"s3cret-0f-the-j0b-123456", "job").set_once("k", b'{"a": 1}')
+    with _pytest.raises(RendezvousError, match="sealed with the job's shared secret.*secret_file"):
+        decode_json(inner.get("k").value, "a round's members")
