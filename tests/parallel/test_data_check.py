@@ -15,7 +15,7 @@ EPOCH = "call sampler.set_epoch(epoch)"
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode, warning", [("same", SAME), ("sharded", None),
-                                           ("no-set-epoch", EPOCH), ("set-epoch", None)])  # fmt: skip
+                                           ("no-set-epoch", EPOCH)])  # fmt: skip
 def test_unsharded_data_warns_once(mode, warning):
     output = launch("data_checks.py", 2, (mode,), timeout=100).output
     assert output.count("done") == 2, output

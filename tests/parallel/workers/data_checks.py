@@ -1,6 +1,7 @@
 """Data that was never sharded. Usage: data_checks.py MODE, with MODE
-"same" (every rank the same batch), "sharded" (each rank its own), "no-set-epoch" (a shuffling
-DistributedSampler iterated twice without set_epoch) or "set-epoch" (set_epoch each epoch)."""
+"same" (every rank the same batch), "sharded" (each rank its own batch, then a sampler with
+set_epoch each epoch) or "no-set-epoch" (a shuffling DistributedSampler iterated twice without
+set_epoch)."""
 
 import os
 import sys
@@ -20,7 +21,9 @@ if mode in ("same", "sharded"):
     seed = 0 if mode == "same" else 1 + ctx.rank
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
     model(x).sum().backward()
-else:
+if mode == "sharded":  # and then a sampler used rightly: no warning for either
+    mode = "set-epoch"
+if mode != "same":
     sampler = DistributedSampler(data, shuffle=True)
     for epoch in range(2):
         if mode == "set-epoch":
