@@ -137,12 +137,16 @@ class EventLog:
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                fd, self._fd = self._fd, None
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close the file (once); later events go to the console only, if at all."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __enter__(self) -> EventLog:
         return self
@@ -160,12 +164,7 @@ class EventLog:
             self._fail(e)
 
     def _fail(self, e: OSError) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._drop()
         code = errno.errorcode.get(e.errno or 0, "error")
         self._on_error(
             f"cannot write the event log {self.path}: {e.strerror or e} ({code}); no more "
