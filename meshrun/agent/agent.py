@@ -533,7 +533,6 @@ class Agent:
             Target(
                 key=spec.local_rank,
                 pid=pid,
-                pidfd=None,  # unreaped until the group's stop: the pid is still the worker's
                 stack_file=Path(progress_env(spec.log_dir)["MESHRUN_STACK_FILE"]),
                 save_to=spec.log_dir / "stack-py-spy.txt",
             )

@@ -79,16 +79,14 @@ class Target:
 
     Attributes:
         key: the caller's name for it (the local rank).
-        pid: its process id (py-spy reads it).
-        pidfd: a pidfd of the process, opened while it was unreaped (the signal goes through it,
-            so it cannot reach a process that reused the pid), or None.
+        pid: its process id (py-spy reads it; the caller makes sure it is still the worker's:
+            the agent's workers stay unreaped until the group's stop).
         stack_file: its ``MESHRUN_STACK_FILE``; the worker creates it when it arms faulthandler.
         save_to: where a py-spy dump is written (the rank's log directory).
     """
 
     key: int
     pid: int
-    pidfd: int | None
     stack_file: Path
     save_to: Path
 
@@ -386,10 +384,7 @@ def _size(path: Path) -> int | None:
 
 def _send(t: Target, signum: int) -> bool:
     try:
-        if t.pidfd is not None:
-            signal.pidfd_send_signal(t.pidfd, signum)
-        else:
-            os.kill(t.pid, signum)
+        os.kill(t.pid, signum)
         return True
     except (ProcessLookupError, OSError):
         return False

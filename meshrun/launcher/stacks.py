@@ -166,7 +166,7 @@ def _from_log_dirs(log_dirs: list[Path]) -> int:
                    " (the agents' events.jsonl name none that is still alive)", err=True)
         return EXIT_NO_JOB
     targets = [
-        Target(i, e["worker_pid"], None, Path(progress_env(d)["MESHRUN_STACK_FILE"]),
+        Target(i, e["worker_pid"], Path(progress_env(d)["MESHRUN_STACK_FILE"]),
                d / "stack-py-spy.txt")
         for i, (d, e) in enumerate(live)
     ]  # fmt: skip

@@ -70,7 +70,7 @@ def _start(tmp_path: Path, code: str) -> tuple[subprocess.Popen, Target]:
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout.readline().strip() == "ready"
-    target = Target(0, proc.pid, None, tmp_path / "stack.txt", tmp_path / "stack-py-spy.txt")
+    target = Target(0, proc.pid, tmp_path / "stack.txt", tmp_path / "stack-py-spy.txt")
     return proc, target
 
 
