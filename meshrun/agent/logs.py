@@ -704,7 +704,9 @@ class FilteredSink:
         def feed(data: bytes, eof: bool = False) -> None:
             pending.extend(data)
             lines = []
-            for m in _SEGMENT.finditer(pending):
+            # a snapshot: a match iterator over the bytearray itself holds a buffer export,
+            # and resizing it then (the del below) raises BufferError
+            for m in _SEGMENT.finditer(bytes(pending)):
                 seg = m.group()
                 if seg.endswith((b"\n", b"\r")) or eof:
                     lines.append(seg.rstrip(b"\r\n"))

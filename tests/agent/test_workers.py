@@ -514,3 +514,17 @@ def test_stop_is_bounded_when_an_escaped_process_holds_the_pipe(tmp_path, groups
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def test_duplicate_filter_keeps_a_line_split_across_chunks(tmp_path):
+    """A chunk that ends mid-line (a pipe read cuts anywhere): the filter keeps the partial
+    line for the next chunk (it raised BufferError, resizing the buffer it was iterating)."""
+    from meshrun.agent.logs import FilteredSink
+
+    sink = FilteredSink(tmp_path / "filtered.log", ["RANK"], lambda message: None)
+    feed = sink.line_filter(b"[h:0]: ")
+    feed(b"RANK=0\nRANK=1 part")
+    feed(b"ial\nother\n")
+    feed(b"", True)
+    sink.close()
+    assert (tmp_path / "filtered.log").read_bytes() == b"[h:0]: RANK=0\n[h:0]: RANK=1 partial\n"
