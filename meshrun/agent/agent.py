@@ -42,6 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshrun import exit_guard
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.errors import (
     WorkerFailure,
@@ -1059,12 +1060,27 @@ def worker_env(
     )
     if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
+    if env.get(exit_guard.OFF_ENV) != "0":  # torch's teardown must not fail a finished script
+        env["PYTHONPATH"] = os.pathsep.join([WORKER_SITE, *_path_entries(env.get("PYTHONPATH"))])
     if config.virtual_local_rank:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(config.nproc_per_node)]
         env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
     return env
+
+
+# Leads every worker's PYTHONPATH: its sitecustomize installs `meshrun.exit_guard`, then runs
+# the script's own sitecustomize, if any.
+WORKER_SITE = str(Path(__file__).resolve().parent / "worker_site")
+
+
+def _path_entries(pythonpath: str | None) -> list[str]:
+    """The entries of a PYTHONPATH value, less the worker site (a nested meshrun's agent); an
+    empty entry (the current directory) is kept."""
+    if not pythonpath:
+        return []
+    return [p for p in pythonpath.split(os.pathsep) if p != WORKER_SITE]
 
 
 def _template_prefix(template: str, role: str, rank: int, local_rank: int) -> str:

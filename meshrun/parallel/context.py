@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshrun import exit_guard
 from meshrun.parallel.data_check import watch_set_epoch
 from meshrun.parallel.heartbeat import register_stack_dump
 
@@ -97,16 +98,18 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         dist.init_process_group(backend, init_method="env://", **_timeout_kwargs(timeout))
     register_stack_dump()  # lets `meshrun --hang-timeout` show where this rank is stuck
     watch_set_epoch()  # a shuffling DistributedSampler without set_epoch: one warning
-    atexit.register(_destroy_at_exit)
+    exit_guard.install()  # (under torchrun too) registered first, so it runs last: atexit
+    atexit.register(_destroy_at_exit)  # is LIFO
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     _context = ParallelContext(rank, local_rank, world_size, device, str(backend))
     return _context
 
 
 def _destroy_at_exit() -> None:
-    # torch 2.13 + gloo: a process that exits with its group still initialised sometimes dies
-    # of "terminate called without an active exception" (SIGABRT) in C++ teardown, under
-    # torchrun and meshrun alike (3 of 6 and 2 of 10 runs here); destroying it first avoids it.
+    # torch 2.13 + gloo: a process that exits while gloo's threads still hold Python objects
+    # can die of "terminate called without an active exception" (SIGABRT) in teardown
+    # (`meshrun.exit_guard` says why). Destroying the group joins its threads where nothing
+    # else holds it; the exit guard covers the rest.
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.agent.agent import WORKER_SITE
+
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
 ENV_DUMP = str(SCRIPTS / "env_dump.py")
 
@@ -71,7 +73,9 @@ def check_contract(
         # itself (e.g. TORCH_CPP_LOG_LEVEL for its own store) leaks to the workers
         assert set(env) - set(launch_env) == CONTRACT, sorted(set(env) - set(launch_env))
         changed = {k for k in launch_env if k not in CONTRACT and env.get(k) != launch_env[k]}
-        assert not changed, {k: (launch_env[k], env.get(k)) for k in changed}
+        # ...but PYTHONPATH, led by the folder of meshrun's exit guard (meshrun.exit_guard)
+        assert env["PYTHONPATH"] == os.pathsep.join([WORKER_SITE, launch_env["PYTHONPATH"]])
+        assert changed <= {"PYTHONPATH"}, {k: (launch_env[k], env.get(k)) for k in changed}
         node, local = divmod(rank, nproc)
         expected = {
             "RANK": str(rank),
