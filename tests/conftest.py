@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from support import free_port
+from timeout_pause import pytest_runtest_makereport  # noqa: F401  (a hook: see its module)
 
 REPO = Path(__file__).resolve().parents[1]
 
