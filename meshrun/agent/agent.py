@@ -40,10 +40,10 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from meshrun import exit_guard
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
+from meshrun.agent.config import LaunchConfig, Std
 from meshrun.agent.errors import (
     WorkerFailure,
     culprits,
@@ -78,12 +78,6 @@ from meshrun.rendezvous import (
     workers_port,
 )
 from meshrun.rendezvous.c10d import AGENT_ONLY_ENV, bind_address
-
-if TYPE_CHECKING:  # the agent reads the config; it imports nothing from the launcher
-    from meshrun.launcher.config import LaunchConfig
-
-# The bits of ``launcher.config.Std`` (torchrun's Std): 1 stdout, 2 stderr.
-_STDOUT, _STDERR = 1, 2
 
 # Message + traceback kept per failure in this node's own report (what the store gets is less).
 _LOCAL_REPORT_MAX_BYTES = 32 * 1024
@@ -678,8 +672,8 @@ class Agent:
             argv=(*c.entrypoint, *args),
             env=env,
             log_dir=log_dir,
-            console_out=shown and (not (redirect & _STDOUT) or bool(tee & _STDOUT)),
-            console_err=shown and (not (redirect & _STDERR) or bool(tee & _STDERR)),
+            console_out=shown and (not (redirect & Std.OUT) or bool(tee & Std.OUT)),
+            console_err=shown and (not (redirect & Std.ERR) or bool(tee & Std.ERR)),
             prefix=prefix,
             host=self.host,
             node_rank=info.node_rank,

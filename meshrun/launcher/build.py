@@ -36,8 +36,8 @@ from typing import TypeVar
 import click
 from click.core import ParameterSource
 
+from meshrun.agent.config import LaunchConfig
 from meshrun.launcher import values as v
-from meshrun.launcher.config import LaunchConfig
 from meshrun.launcher.configfile import RawValue, load_config_file
 from meshrun.launcher.errors import ConfigError, ValueProblem
 from meshrun.launcher.options import BY_NAME, NUMA_MODES, OPTIONS, START_METHODS, make_command

@@ -17,7 +17,7 @@ import signal
 import subprocess
 from collections.abc import Mapping
 
-from meshrun.launcher.config import Std, StdSpec
+from meshrun.agent.config import Std, StdSpec
 from meshrun.launcher.errors import ValueProblem
 
 # Bounds no real job reaches, so a typo cannot start work that brings the machine down:

@@ -1,6 +1,7 @@
 """The launch configuration: one frozen value that the agent runs from.
 
-`LaunchConfig` is what the CLI produces after merging, in order (later wins), a TOML config
+The agent owns this type (it is the agent's input); the launcher builds it, so every import
+runs from launcher to agent, none back. `LaunchConfig` is what the CLI produces after merging, in order (later wins), a TOML config
 file (``--config``), ``PET_*`` environment variables, and command-line options. Everything in
 it is already validated: the agent never re-checks user input. Field names follow torchrun's
 option names (``torch.distributed.run``), so a reader who knows torchrun knows this file.
