@@ -14,6 +14,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+SECRET_ENV = "MESHRUN_RDZV_SECRET"  # the shared secret's variable (`meshrun.rendezvous.auth`)
+SECRET_AS_VALUE = (  # `parse_settings` and auth's `load_secret` refuse ``secret=VALUE`` with it
+    "--rdzv-conf secret: a secret given as a value is visible to every user of the host (ps) "
+    f"and in shell histories; give secret_file=PATH (a file only you can read) or {SECRET_ENV}"
+)
+
 
 class RendezvousError(Exception):
     """The rendezvous failed: join timeout, too few nodes, store lost, auth refused (exit 3)."""
@@ -213,9 +219,7 @@ def settings_from_conf(
         elif key in BACKEND_CONF_KEYS:
             extra[key] = raw
         elif key == "secret":  # never a value on the command line (ps): one line naming the fix
-            from meshrun.rendezvous.auth import load_secret
-
-            load_secret({key: raw})
+            raise ValueError(SECRET_AS_VALUE)
         else:
             known = ", ".join(sorted([*CONF_KEYS, *BACKEND_CONF_KEYS]))
             raise ValueError(f"--rdzv-conf {key}={raw}: unknown key (known keys: {known})")

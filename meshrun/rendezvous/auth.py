@@ -40,12 +40,11 @@ import stat
 import struct
 import time
 
-from meshrun.rendezvous.api import RendezvousError
+from meshrun.rendezvous.api import SECRET_AS_VALUE, SECRET_ENV, RendezvousError
 from meshrun.rendezvous.store import Liveness, Store, Versioned
 
 log = logging.getLogger("meshrun.rendezvous")
 
-SECRET_ENV = "MESHRUN_RDZV_SECRET"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 64 * 1024
 _TAG = b"M1"  # format version of a sealed value
@@ -66,11 +65,7 @@ def load_secret(conf: dict[str, str], environ=os.environ) -> bytes | None:
             secret itself is never part of a message.
     """
     if "secret" in conf:
-        raise ValueError(
-            "--rdzv-conf secret: a secret given as a value is visible to every user of the "
-            "host (ps) and in shell histories; give secret_file=PATH (a file only you can "
-            f"read) or {SECRET_ENV}"
-        )
+        raise ValueError(SECRET_AS_VALUE)
     path = conf.get("secret_file")
     if path:
         raw = _read_secret_file(path)
