@@ -13,7 +13,7 @@ from harness import launch
 CHECKS = ["check_gpipe", "check_1f1b", "check_1f1b_many_microbatches", "check_interleaved",
           "check_interleaved_eight_stages", "check_custom_order", "check_eval",
           "check_tuple_and_int_tensors", "check_scale_grads_false",
-          "check_shapes_change_between_steps"]
+          "check_eval_shapes_differ_from_training"]
 DP_CHECKS = ["check_pp_dp_parity", "check_sync_once_per_step"]
 
 
@@ -52,6 +52,9 @@ def test_pp_with_data_parallel(dp_results, check):
                  "stage 1 was declared (input_args) to take [(2, 12) float32]"),
     ("undeclared", "pipeline stage 1 (pipeline rank 1): forward of microbatch 0 failed on "
                    "inputs [(2, 16) float32] from stage 0"),
+    ("changed", "pipeline stage 0: sends [(1, 16) float32] to stage 1, but the first step "
+                "sent [(2, 16) float32]; the shapes between stages are fixed by the first "
+                "step and the first eval"),
 ])
 def test_shape_mismatch_names_the_stage(mode, message):
     start = time.monotonic()

@@ -34,23 +34,19 @@ Point-to-point (c10d ``isend``/``irecv``, one tag per message so gloo matches by
   computing, waits for a core). The cost: up to ``RECV_AHEAD`` receive buffers (one
   microbatch's boundary tensors each) allocated ahead. It matters most for interleaved 1F1B,
   which sends twice as many messages (benchmarks/pp.py reports the per-step overhead).
-- Shapes: the first activation a stage receives in a step is preceded by a small int64 header
-  (count, dtype, shape of each tensor), so the receiver allocates the right buffer; the later
-  microbatches of the step must have the same shapes (checked by the sender: a different shape
-  is an error naming the stage, never a hang on a wrongly sized receive). A stage built with
-  ``input_args`` checks the header against them; a stage whose forward fails raises an error
-  naming the stage, the microbatch and the shapes it received. Gradients need no header: they
-  have the shapes of the outputs the receiver sent.
-- Shapes known in advance: from its second step on, a stage posts the receive of microbatch
-  0's activation together with its header, with the shapes of the previous step's microbatch
-  0, so the payload does not wait for a second round trip after the header (gloo sends a
-  payload only once its receive is posted; a receive posted after the header has arrived
-  needs the sender's communication thread, which must first get a core from the sender's
-  compute, on the pipeline's critical path when the CPUs are busy). Sender and receiver
-  both remember the previous step's shapes of each channel, so they agree on what was
-  posted: when the shapes change, the sender fills the receiver's speculative buffers with
-  zeros (ignored) and sends the real payload on a second set of tags, posted once the header
-  has arrived.
+- Shapes are found once, then fixed (as in torch.distributed.pipelining): in the first
+  `step` (and, separately, the first `eval`) the first activation a stage receives is preceded
+  by a small int64 header (count, dtype, shape of each tensor), checked against the stage's
+  ``input_args`` where it has them; from then on both ends know the shapes, so every receive
+  is posted ahead with the right buffers and no header is sent. Posting ahead matters: gloo
+  writes a payload only once its receive is posted, and a receive posted late needs the
+  sender's communication thread, which must first get a core from the sender's compute (on
+  the pipeline's critical path when the CPUs are busy). A sender whose shapes differ from
+  those fixed (another batch size, another sequence length, or microbatches of one step that
+  differ) raises an error naming the stages before it sends anything, so no receive is ever
+  written with a wrongly sized payload (gloo aborts the receiving process then). Gradients
+  have the shapes of the outputs the receiver sent. A stage whose forward fails raises an
+  error naming the stage, the microbatch and the shapes it received.
 
 Data parallelism beside the pipeline: a stage module with ``no_sync()`` (meshrun's ``ddp``)
 runs backward inside it for every microbatch but the last, and one with
@@ -80,9 +76,7 @@ MAX_TENSORS, MAX_DIMS = 8, 8  # per message between stages (the header has a fix
 HEADER_LEN = 1 + MAX_TENSORS * (2 + MAX_DIMS)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-# slot 0: header; 1..MAX_TENSORS: payload tensors; MAX_TENSORS+1..2*MAX_TENSORS: the payload
-# of a microbatch 0 whose shapes differ from those the receiver posted in advance
-TAG_SLOTS = 1 + 2 * MAX_TENSORS
+TAG_SLOTS = 1 + MAX_TENSORS  # per message: slot 0 the header, 1..MAX_TENSORS the payload
 RECV_AHEAD = 3  # actions whose receives are posted before the current action computes
 
 
@@ -145,9 +139,9 @@ class PipelineSchedule:
         self.last_actions: list[Action] = []
         self._eval_order = eval_order
         self._by_index = {st.stage_index: st for st in stages}
-        # microbatch 0's activation shapes of the last step, per channel (see module docstring)
-        self._sent_meta: dict[int, list] = {}  # destination stage on another rank -> meta
-        self._recv_meta: dict[int, list] = {}  # stage of this rank -> meta it received
+        # the fixed shapes of each channel between ranks, per mode (training step, eval):
+        self._sent_meta: dict[tuple[bool, int], list] = {}  # (training, destination stage)
+        self._recv_meta: dict[tuple[bool, int], list] = {}  # (training, stage of this rank)
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              **kwargs):
@@ -224,7 +218,8 @@ class _Step:
         self.loss_values: dict[int, torch.Tensor] = {}
         self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
         self.recvs: dict[Action, _Recv] = {}
-        self.in_meta: dict[int, list] = {}  # stage -> meta of its received inputs (this step)
+        self.in_meta = {s: meta for (mode, s), meta in schedule._recv_meta.items()
+                        if mode == training}  # stage -> shapes of its inputs, once known
         self.out_meta: dict[int, list] = {}  # stage -> meta of its outputs (microbatch 0)
         self.sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
 
@@ -283,7 +278,7 @@ class _Step:
         self._check_outputs(stage, m, outputs)
         if self.training:
             self.cache[(s, m)] = (inputs, outputs)
-        self._send(FORWARD, s + 1, m, [o.detach() for o in outputs], header=m == 0)
+        self._send(FORWARD, s + 1, m, [o.detach() for o in outputs])
 
     def _backward(self, action: Action, grads):
         s, m = action.stage, action.microbatch
@@ -302,7 +297,7 @@ class _Step:
         if not stage.is_first:
             input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
                            for x in inputs if x.is_floating_point()]
-            self._send(BACKWARD, s - 1, m, input_grads, header=False)
+            self._send(BACKWARD, s - 1, m, input_grads)
 
     def _check_outputs(self, stage: PipelineStage, m: int, outputs: list):
         bad = [type(o).__name__ for o in outputs if not isinstance(o, torch.Tensor)]
@@ -332,36 +327,37 @@ class _Step:
         direction = 1 if kind == BACKWARD else 0
         return ((dst_stage * 2 + direction) * self.sched.n_microbatches + m) * TAG_SLOTS + slot
 
-    def _send(self, kind: str, dst_stage: int, m: int, tensors: list[torch.Tensor],
-              header: bool):
+    def _send(self, kind: str, dst_stage: int, m: int, tensors: list[torch.Tensor]):
         dst = self._peer(dst_stage)
         if dst == self.sched.rank:  # neighbour on this rank: hand over without a message
             self.local[(kind, dst_stage, m)] = tensors
             return
-        group = self.sched.group
         tensors = [t.contiguous() for t in tensors]
-        first_slot = 1
+        header = kind == FORWARD and self._check_fixed(dst_stage, tensors)
         if header:
-            head = _encode_header(tensors, tensors[0].device if tensors else None)
-            work = launched(dist.isend(head, group=group, group_dst=dst,
-                                       tag=self._tag(kind, dst_stage, m, 0)))
-            self.sends.append((work, [head]))
-            meta, posted = tensor_meta(tensors), self.sched._sent_meta.get(dst_stage)
-            if posted is not None and posted != meta:
-                # the receiver posted buffers of the last step's shapes: fill them (it ignores
-                # them) and send the real payload on the second set of tags
-                fill = [torch.zeros(shape, dtype=dtype, device=head.device)
-                        for shape, dtype in posted]
-                for i, t in enumerate(fill):
-                    work = launched(dist.isend(t, group=group, group_dst=dst,
-                                               tag=self._tag(kind, dst_stage, m, 1 + i)))
-                    self.sends.append((work, [t]))
-                first_slot = 1 + MAX_TENSORS
-            self.sched._sent_meta[dst_stage] = meta
-        for i, t in enumerate(tensors):
-            work = launched(dist.isend(t, group=group, group_dst=dst,
-                                       tag=self._tag(kind, dst_stage, m, first_slot + i)))
+            tensors = [_encode_header(tensors, tensors[0].device if tensors else None), *tensors]
+        for slot, t in enumerate(tensors, start=0 if header else 1):
+            work = launched(dist.isend(t, group=self.sched.group, group_dst=dst,
+                                       tag=self._tag(kind, dst_stage, m, slot)))
             self.sends.append((work, [t]))
+
+    def _check_fixed(self, dst_stage: int, tensors: list[torch.Tensor]) -> bool:
+        """Whether this activation must carry the header (the channel's shapes are not fixed
+        yet: it fixes them); raises if they were fixed with other shapes."""
+        key, meta = (self.training, dst_stage), tensor_meta(tensors)
+        fixed = self.sched._sent_meta.get(key)
+        if fixed is None:
+            self.sched._sent_meta[key] = meta
+            return True
+        if meta != fixed:
+            first = "step" if self.training else "eval"
+            raise RuntimeError(
+                f"pipeline stage {dst_stage - 1}: sends {_fmt(meta)} to stage {dst_stage}, "
+                f"but the first {first} sent {_fmt(fixed)}; the shapes between stages are "
+                f"fixed by the first step and the first eval (as in torch.distributed."
+                f"pipelining): keep the batch size and sequence length constant (e.g. "
+                f"drop_last=True), or build a new PipelineSchedule for other shapes")
+        return False
 
     def _source(self, action: Action) -> int | None:
         """The stage whose message ``action`` needs, or None (stage 0 F, last stage B)."""
@@ -385,9 +381,6 @@ class _Step:
             recv.header = torch.empty(HEADER_LEN, dtype=torch.int64,
                                       device=self.sched._by_index[s].device)
             recv.works.append(self._irecv(recv.header, recv.src, kind, s, m, 0))
-            recv.posted_meta = self.sched._recv_meta.get(s)
-            if recv.posted_meta is not None:  # the last step's shapes: post the payload now
-                self._post_payload(recv, recv.posted_meta, kind, s, m)
         else:
             if kind == FORWARD:
                 meta = self.in_meta[s]
@@ -397,11 +390,11 @@ class _Step:
         self.recvs[action] = recv
         return True
 
-    def _post_payload(self, recv: _Recv, meta, kind, s, m, first_slot: int = 1):
+    def _post_payload(self, recv: _Recv, meta, kind, s, m):
         device = self.sched._by_index[s].device
         recv.tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta]
-        recv.works += [self._irecv(t, recv.src, kind, s, m, first_slot + i)
-                       for i, t in enumerate(recv.tensors)]
+        recv.works += [self._irecv(t, recv.src, kind, s, m, slot)
+                       for slot, t in enumerate(recv.tensors, start=1)]
 
     def _irecv(self, tensor, src, kind, s, m, slot):
         return launched(dist.irecv(tensor, group=self.sched.group, group_src=src,
@@ -426,17 +419,12 @@ class _Step:
         s = action.stage
         wait(recv.works[0])  # the header
         meta = _decode_header(recv.header)
-        self.sched._recv_meta[s] = meta  # what the sender now remembers too
         self._check_header(s, meta)
-        self.in_meta[s] = meta
-        for work in recv.works[1:]:  # the payload posted in advance (or the sender's filler)
+        self.in_meta[s] = self.sched._recv_meta[(self.training, s)] = meta  # fixed from now on
+        recv.works = []
+        self._post_payload(recv, meta, action.kind, s, action.microbatch)
+        for work in recv.works:
             wait(work)
-        if recv.posted_meta != meta:  # nothing posted in advance, or other shapes: post now
-            recv.works = []
-            first_slot = 1 if recv.posted_meta is None else 1 + MAX_TENSORS
-            self._post_payload(recv, meta, action.kind, s, action.microbatch, first_slot)
-            for work in recv.works:
-                wait(work)
         return recv.tensors
 
     def _check_header(self, s: int, meta):
@@ -455,7 +443,6 @@ class _Recv:
     def __init__(self, src: int):
         self.src = src
         self.header: torch.Tensor | None = None
-        self.posted_meta: list | None = None  # shapes of a payload posted with the header
         self.tensors: list[torch.Tensor] = []
         self.works: list[dist.Work] = []
 

@@ -1,6 +1,12 @@
-"""Stage 0 outputs 16 features, stage 1 takes 12: run 1F1B and let it fail (argv[1] picks
-whether stage 1 declares its input shape with ``input_args``). Expected: stage 1 raises an
-error naming itself; the launcher stops stage 0, which would otherwise wait for a gradient."""
+"""Shapes that do not fit between two stages; run 1F1B and let it fail. argv[1]:
+
+- "declared" / "undeclared": stage 0 outputs 16 features, stage 1 takes 12 (declared with
+  ``input_args``, or not). Expected: stage 1 raises an error naming itself; the launcher stops
+  stage 0, which would otherwise wait for a gradient.
+- "changed": a right split, but the second step's batch is half the first's. Expected: stage
+  0 raises (shapes are fixed by the first step) before it sends; the launcher stops stage 1,
+  which would otherwise wait for the activation.
+"""
 
 import sys
 
@@ -14,12 +20,14 @@ from meshrun.parallel.pipelining import PipelineStage, Schedule1F1B
 def main():
     ctx = init(timeout=60)
     torch.manual_seed(0)
-    modules = [nn.Linear(6, 16), nn.Linear(12, 3)]  # wrong split: 16 out, 12 in
-    declared = sys.argv[1] == "declared"
-    input_args = torch.empty(2, 12) if declared and ctx.rank == 1 else None
+    mode = sys.argv[1]
+    width = 16 if mode == "changed" else 12  # else a wrong split: 16 out, 12 in
+    modules = [nn.Linear(6, 16), nn.Linear(width, 3)]
+    input_args = torch.empty(2, 12) if mode == "declared" and ctx.rank == 1 else None
     stage = PipelineStage(modules[ctx.rank], ctx.rank, 2, input_args=input_args)
     schedule = Schedule1F1B(stage, 4, nn.functional.mse_loss)
-    schedule.step(torch.randn(8, 6), target=torch.randn(8, 3))
+    for batch in (8, 4) if mode == "changed" else (8,):
+        schedule.step(torch.randn(batch, 6), target=torch.randn(batch, 3))
     print("the mismatch was not detected", flush=True)
 
 
