@@ -136,10 +136,6 @@ class GroupResult:
     state: WorkerState
     failures: list[WorkerFailure] = field(default_factory=list)
 
-    @property
-    def is_failed(self) -> bool:
-        return self.state is WorkerState.FAILED
-
 
 class WorkerGroup:
     """The worker processes of one node for one round.

@@ -17,6 +17,8 @@ import pytest
 from support import alive, read_pid
 from test_workers import groups, spec  # noqa: F401 - fixture
 
+from meshrun.agent.workers import WorkerState
+
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
 
@@ -53,7 +55,7 @@ def test_stop_never_signals_the_group_of_a_reaped_worker(tmp_path, groups):  # n
     g = groups([spec(tmp_path, 0, "import time; time.sleep(60)"),
                 spec(tmp_path, 1, "raise SystemExit(3)")], None)  # fmt: skip
     g.start()
-    assert g.wait(20).is_failed
+    assert g.wait(20).state is WorkerState.FAILED
     exited = g.pids[1]
     other = start_with_pid(exited)
     try:
