@@ -31,7 +31,6 @@ import click
 
 from meshrun.exits import EXIT_NO_JOB, EXIT_RENDEZVOUS
 from meshrun.launcher.errors import ConfigError
-from meshrun.launcher.values import ValueProblem, parse_rdzv_backend, parse_rdzv_conf
 
 
 @click.command(
@@ -66,7 +65,7 @@ def stacks(log_dirs, backend, endpoint, run_id, conf_text, timeout) -> int:
 
 def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeout: float) -> int:
     from meshrun.agent.errors import WorkerFailure
-    from meshrun.launcher.status import open_job_store
+    from meshrun.launcher.status import open_job_store, parse_store_options
     from meshrun.rendezvous import RendezvousError
     from meshrun.rendezvous.api import decode_json
     from meshrun.rendezvous.protocol import (
@@ -79,11 +78,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
         state_key,
     )
 
-    try:
-        backend = parse_rdzv_backend(backend)
-        conf, _ = parse_rdzv_conf(conf_text)
-    except ValueProblem as e:
-        raise e.at(f"--rdzv-backend {backend} / --rdzv-conf") from None
+    backend, conf = parse_store_options(backend, conf_text)
     prefix = job_prefix(run_id)
     try:
         store, _ = open_job_store(backend, endpoint, conf, run_id)

@@ -48,14 +48,7 @@ STATUS_READ_TIMEOUT = 5.0  # seconds, unless --rdzv-conf read_timeout= says othe
 def status(backend: str, endpoint: str, run_id: str, conf_text: str) -> int:
     from meshrun.rendezvous import RendezvousError
 
-    try:
-        backend = parse_rdzv_backend(backend)
-    except ValueProblem as e:
-        raise e.at(f"--rdzv-backend {backend}") from None
-    try:
-        conf, _ = parse_rdzv_conf(conf_text)
-    except ValueProblem as e:
-        raise e.at(f"--rdzv-conf {conf_text}") from None
+    backend, conf = parse_store_options(backend, conf_text)
     from meshrun.rendezvous.protocol import job_prefix
 
     prefix = job_prefix(run_id)
@@ -101,6 +94,24 @@ def open_settings(conf: dict, run_id: str):
         return settings, load_secret(settings.extra)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def parse_store_options(backend: str, conf_text: str) -> tuple[str, dict]:
+    """``--rdzv-backend`` and ``--rdzv-conf`` of ``meshrun status`` and ``meshrun stacks``:
+    the backend's canonical name and the conf as a dict.
+
+    Raises:
+        ConfigError: either is malformed (one line naming the option).
+    """
+    try:
+        backend = parse_rdzv_backend(backend)
+    except ValueProblem as e:
+        raise e.at(f"--rdzv-backend {backend}") from None
+    try:
+        conf, _ = parse_rdzv_conf(conf_text)
+    except ValueProblem as e:
+        raise e.at(f"--rdzv-conf {conf_text}") from None
+    return backend, conf
 
 
 def open_job_store(backend: str, endpoint: str, conf: dict, run_id: str):
