@@ -11,7 +11,8 @@ command line. An empty environment variable counts as unset. Each value is then 
   gives ``standalone=True``, backend ``c10d``, endpoint ``localhost:0`` and a random run id;
   the agent then hosts an in-process store on an OS-assigned port.
 - SLURM: under ``srun`` with one meshrun per node and no ``--rdzv-endpoint``, the node count,
-  node rank and c10d endpoint come from the SLURM environment (`meshrun.launcher.slurm`).
+  node rank and c10d endpoint (the first node, a port of the job's own; node 0 hosts) come
+  from the SLURM environment (`meshrun.launcher.slurm`).
 - static: a fixed node count; ``--nnodes MIN:MAX`` with MIN < MAX needs an elastic backend
   (torchrun's static rendezvous would wait for MAX nodes, meshrun says so instead).
 - entrypoint: ``(python, "-u", script)``, ``(python, "-u", "-m", module)`` or ``(script,)``
@@ -45,7 +46,6 @@ from meshrun.launcher.slurm import SlurmDefaults, slurm_defaults
 
 T = TypeVar("T")
 
-SLURM_RDZV_PORT = 29400  # the c10d default port
 USAGE_HINT = "usage: meshrun [OPTIONS] SCRIPT [ARGS]... (see meshrun --help)"
 
 
@@ -120,10 +120,13 @@ def build_config_and_notes(
             node_rank = slurm.node_rank
         if rdzv_backend == "static":
             rdzv_backend = "c10d"
-        rdzv_endpoint = f"{slurm.first_host}:{SLURM_RDZV_PORT}"
+        rdzv_endpoint = f"{slurm.first_host}:{slurm.port}"
         if rdzv_id == "none":
             rdzv_id = f"slurm-{slurm.job_id}"
-        notes.append(slurm.note(SLURM_RDZV_PORT))
+        # node 0 of the step hosts; a port taken by another job is an error there, not a store
+        # to join (the tasks of a job array share nodes: `meshrun.launcher.slurm`)
+        rdzv_conf.setdefault("is_host", "true" if slurm.node_rank == 0 else "false")
+        notes.append(slurm.note())
 
     standalone = flag("standalone") or (
         rdzv_backend == "static" and not rdzv_endpoint and master_port is None and max_nodes == 1

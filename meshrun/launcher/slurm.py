@@ -6,6 +6,16 @@ user gave no ``--rdzv-endpoint``, it takes the node count (``SLURM_STEP_NUM_NODE
 (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``) as the c10d rendezvous host, and the
 job id as the run id. Node lists are expanded here (``gpu[01-03,7],cpu5`` ->
 ``gpu01 gpu02 gpu03 gpu7 cpu5``), without shelling out to ``scontrol``.
+
+The port is the job's own, 20000 + job id mod 10000 (`SlurmDefaults.port`), not one fixed
+port: nodes are shared between jobs (select/cons_tres, ``--oversubscribe``, the tasks of a job
+array), and two jobs whose first node is the same would otherwise both aim at
+``first_host:29400``. The second job's agent there could not bind it, connected to the first
+job's store instead, and lost it, exit 3, when that job ended (seen on a real cluster with a
+two-node ``--array=0-1 --oversubscribe``). Job ids that run side by side are close, so they
+get different ports. For the same reason the host is decided by the node rank (node 0 of the
+step hosts, ``is_host``), not by "the first agent to bind": a port that is taken anyway is
+one line and exit 3 on node 0, never another job's store.
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+PORT_BASE, PORT_SPAN = 20000, 10000
 
 
 @dataclass(frozen=True)
@@ -24,10 +36,17 @@ class SlurmDefaults:
     first_host: str
     job_id: str
 
-    def note(self, port: int) -> str:
+    @property
+    def port(self) -> int:
+        """The job's rendezvous port: 20000 + job id mod 10000 (below Linux's ephemeral range,
+        32768 and up, so never a port the OS hands out; jobs 10000 ids apart share it)."""
+        return PORT_BASE + int(self.job_id) % PORT_SPAN if self.job_id.isdigit() else 29400
+
+    def note(self) -> str:
         return (
             f"note: SLURM job {self.job_id}: node rank {self.node_rank} of {self.num_nodes}, "
-            f"c10d rendezvous at {self.first_host}:{port} (from SLURM_NODEID and the node list)"
+            f"c10d rendezvous at {self.first_host}:{self.port} (from SLURM_NODEID, the node "
+            "list and the job id)"
         )
 
 

@@ -41,9 +41,27 @@ def test_srun_one_task_per_node_fills_in_the_rendezvous(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text("")
     config, notes = build_config_and_notes(["--nproc-per-node", "8", "train.py"], SRUN)
     assert (config.min_nodes, config.max_nodes, config.node_rank) == (4, 4, 2)
-    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "gpu07:29400")
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "gpu07:24242")
     assert config.rdzv_id == "slurm-4242" and not config.standalone
-    assert any("SLURM job 4242" in n and "gpu07:29400" in n for n in notes)
+    assert config.rdzv_conf["is_host"] == "false"  # node rank 2: gpu07 (node 0) hosts
+    assert any("SLURM job 4242" in n and "gpu07:24242" in n for n in notes)
+
+
+def test_jobs_sharing_a_first_node_get_their_own_ports_and_node_0_hosts(tmp_path, monkeypatch):
+    """Job ids side by side (the tasks of an array) must not both aim at one port: the second
+    job's agent would join the first job's store and lose it with that job."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    ends = set()
+    for job in ("4242", "4243", "123456789"):
+        env = {**SRUN, "SLURM_JOB_ID": job, "SLURM_NODEID": "0"}
+        config, _ = build_config_and_notes(["train.py"], env)
+        assert config.rdzv_conf["is_host"] == "true"
+        ends.add(config.rdzv_endpoint)
+    assert ends == {"gpu07:24242", "gpu07:24243", "gpu07:26789"}
+    given = ["--rdzv-conf", "is_host=false", "train.py"]  # the user's word wins
+    config, _ = build_config_and_notes(given, {**SRUN, "SLURM_NODEID": "0"})
+    assert config.rdzv_conf["is_host"] == "false"
 
 
 def test_explicit_options_win_over_slurm(tmp_path, monkeypatch):
