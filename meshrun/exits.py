@@ -12,6 +12,9 @@ the agent's package.
   TLS refused);
 - 124 the group was stopped as hung;
 - 128+N the agent itself was stopped by signal N.
+
+Which of them make a retry worth it (3, 124, 143 from SIGTERM) is in docs/slurm.md, and
+acted on by ``configs/slurm_job.sh`` (it requeues the job only for those).
 """
 
 EXIT_OK = 0
