@@ -12,6 +12,11 @@ Debian's ``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge`` (22.05) run u
 - ``slurm.conf`` in a temp dir (``SLURM_CONF`` tells every daemon and client), no accounting,
   ``SlurmUser=root``, ``TaskPlugin=task/none``, and the proctrack plugin the test asks for
   (``linuxproc`` signals every process of a step, ``pgid`` only its process group);
+- short waits where SLURM's defaults are minutes: ``cred_expire=5`` (a requeued job may start
+  again after 5 s, not 120), ``sched_interval=1``, and ``OverSubscribe=YES`` so a job that asks
+  (``--oversubscribe``) shares nodes with another, as jobs do under select/cons_tres;
+- slurmctld logs at ``debug2``, so a test can read when it last checked time limits (it sends
+  ``--signal`` warnings only then, every 30 s: `SlurmCluster.next_limit_check`);
 - clients (``sbatch``, ``squeue``, ``scancel``) run inside the controller's namespace.
 
 Every name and port is unique to the fixture (the tag and the ports come from the pid and a
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "munged")
@@ -72,6 +79,7 @@ class SlurmCluster:
         self.env = {**os.environ, **(env or {}), "SLURM_CONF": str(work / "slurm.conf")}
         self._procs: list[subprocess.Popen] = []
         self._made_ns: list[str] = []
+        self._ctl_started = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> None:
@@ -81,6 +89,7 @@ class SlurmCluster:
             self._network()
             self._config()
             self._munge()
+            self._ctl_started = time.time()
             self._daemon(self.ctl, ["slurmctld", "-D", "-i"], "slurmctld.log")
             self._wait_port(self.ctl[2], self.ctl_port, timeout)
             for node in self.nodes:
@@ -142,9 +151,23 @@ class SlurmCluster:
             time.sleep(0.25)
         else:
             raise AssertionError(f"job {job} still queued after {timeout} s\n{self.logs()}")
-        info = self.run(["scontrol", "-o", "show", "job", str(job)], check=False).stdout
-        fields = dict(f.split("=", 1) for f in info.split() if "=" in f)
+        fields = self.show(job)
         return fields.get("JobState", "UNKNOWN") + (f" {fields['ExitCode']}" if "ExitCode" in fields else "")
+
+    def show(self, job: int | str) -> dict[str, str]:
+        """``scontrol show job`` as a dict (JobState, ExitCode "7:0", Restarts, ...)."""
+        info = self.run(["scontrol", "-o", "show", "job", str(job)], check=False).stdout
+        return dict(f.split("=", 1) for f in info.split() if "=" in f)
+
+    def next_limit_check(self) -> float:
+        """Seconds until slurmctld next checks time limits, the only moment it sends a job's
+        ``--signal`` warning: every 30 s (PERIODIC_TIMEOUT, not configurable), counted from
+        the last check in its log, else from its start."""
+        last = self._ctl_started
+        log = (self.work / "slurmctld.log").read_text(errors="replace")
+        for stamp in re.findall(r"^\[([0-9T:.-]+)\] debug2: Testing job time limits", log, re.M):
+            last = datetime.fromisoformat(stamp).timestamp()
+        return max(0.0, last + 30 - time.time())
 
     def wait_running(self, job: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -195,19 +218,21 @@ SlurmdPort={self.node_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={w / "munge" / "munge.socket"}
+AuthInfo=socket={w / "munge" / "munge.socket"},cred_expire=5
 CredType=cred/munge
 StateSaveLocation={w / "state"}
 SlurmdSpoolDir={w / "spool"}/%n
 SlurmctldPidFile={w}/slurmctld.pid
 SlurmdPidFile={w}/slurmd-%n.pid
 SlurmctldLogFile={w}/slurmctld.log
+SlurmctldDebug=debug2
 SlurmdLogFile={w}/slurmd-%n.log
 ProctrackType=proctrack/{self.proctrack}
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/linear
 MpiDefault=none
 ReturnToService=2
@@ -215,7 +240,7 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=300
 {nodes}
-PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE OverSubscribe=YES State=UP
 """)
         (w / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
 

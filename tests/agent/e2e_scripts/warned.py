@@ -1,6 +1,7 @@
-"""Counts the SIGUSR1 and SIGUSR2 it receives (a script that saves when warned), writes
-"ready" to OUT/ready_<rank> once its handlers are in, and at the end (when OUT/stop exists,
-60 s at most) writes its counts to OUT/counts_<rank> as "usr1 usr2"."""
+"""Counts the SIGUSR1 and SIGUSR2 it receives (a script that saves when warned), writes its
+pid to OUT/ready_<rank> once its handlers are in, appends the time of each warning to
+OUT/warned_<rank> (so a test knows a scheduler's timed warning came), and at the end (when
+OUT/stop exists, 60 s at most) writes its counts to OUT/counts_<rank> as "usr1 usr2"."""
 
 import os
 import signal
@@ -13,6 +14,8 @@ counts = {signal.SIGUSR1: 0, signal.SIGUSR2: 0}
 
 def warned(signum, frame):
     counts[signum] += 1
+    with open(os.path.join(out, f"warned_{rank}"), "a") as f:
+        f.write(f"{time.time()}\n")
 
 
 signal.signal(signal.SIGUSR1, warned)
