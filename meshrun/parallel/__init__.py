@@ -27,10 +27,19 @@ model with an explicit process group or mesh; there are no module-level global g
 - `PipelineStage`, `split_into_stages()`, `ScheduleGPipe`, `Schedule1F1B`,
   `ScheduleInterleaved1F1B`, `pipeline()`: pipeline parallelism; schedules are validated action
   lists (`meshrun.parallel.pipelining` also has the validator and the simulator).
+- `ring_attention()`, `ulysses_attention()`, `shard_sequence()`, `position_ids()`: context
+  parallelism (attention over a sequence sharded across a "cp" axis; `meshrun.parallel.cp`).
 """
 
 from meshrun.parallel.activation_checkpoint import checkpoint_activations
 from meshrun.parallel.context import ParallelContext, init
+from meshrun.parallel.cp import (
+    position_ids,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
 from meshrun.parallel.ddp import agree_num_batches, ddp
 from meshrun.parallel.fsdp import (
     FSDPModule,
@@ -73,3 +82,5 @@ __all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state
             "fully_shard"]
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
             "ScheduleInterleaved1F1B", "pipeline", "split_into_stages"]
+__all__ += ["position_ids", "ring_attention", "shard_sequence", "ulysses_attention",
+            "unshard_sequence"]

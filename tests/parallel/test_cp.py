@@ -1,0 +1,28 @@
+"""meshrun.parallel.cp (context parallelism) on real 2- and 4-process gloo groups: ring and
+Ulysses attention against full attention in one process (output, dq, dk, dv), causal and not,
+zigzag and contiguous layouts, float32 and float64; a cp group inside a dp x cp mesh; the
+layouts; the refusals. One launch per world size runs every check in workers/cp_checks.py.
+"""
+
+import pytest
+from harness import launch
+
+CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ulysses_zigzag",
+          "check_ulysses_contiguous", "check_subgroup", "check_layouts", "check_errors"]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def results(request):
+    return launch("cp_checks.py", nproc=request.param, timeout=150).results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("check", CHECKS)
+def test_cp(results, check):
+    for rank, result in enumerate(results):
+        assert result.get(check) == "ok", f"rank {rank}: {result.get(check, 'no report')}"
+
+
+@pytest.mark.timeout(180)
+def test_every_check_reported(results):
+    assert sorted(results[0]) == sorted(CHECKS)
