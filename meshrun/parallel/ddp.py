@@ -21,11 +21,12 @@ Accelerating Data Parallel Training", VLDB 2020):
 - Backward: a ``register_post_accumulate_grad_hook`` on each parameter copies its gradient
   into its slot of the bucket buffer; a direct parameter's ``.grad`` (the tensor autograd
   made) is itself the buffer. When a bucket AND every bucket before it are full, each of them
-  is divided by the group size and its ``all_reduce(async_op=True)`` is launched. Buckets
+  is handed to the comm hook (by default: divided by the group size, and its
+  ``all_reduce(async_op=True)`` launched). Buckets
   therefore launch in a fixed order on every rank, which gloo needs (it matches collectives
   by issue order).
-- End of backward: a callback queued on the autograd engine waits for every launched
-  all-reduce (copies compressed results back to the full-precision buckets) and copies each
+- End of backward: a callback queued on the autograd engine waits for every hook's result
+  (in bucket order; it is copied into the bucket unless it is the bucket) and copies each
   bucket slot back into its parameter's ``.grad``. So ``.grad`` is always the tensor autograd
   made (never a view of a bucket), alive until the user's ``zero_grad``, as in torch's
   default DDP (``gradient_as_bucket_view=False``); only parameters below
@@ -59,8 +60,13 @@ Accelerating Data Parallel Training", VLDB 2020):
 - Data check: at the first forward with grad, the ranks compare a fingerprint of their inputs
   (one all-gather, once); identical inputs everywhere warn that the data were never sharded
   (`meshrun.parallel.data_check`; ``MESHRUN_DATA_CHECK=0`` switches it off).
-- ``grad_compression="bf16"|"fp16"``: each bucket is all-reduced in that dtype (half the bytes)
-  and the result is copied back into the fp32 bucket.
+- Communication hooks (`meshrun.parallel.comm_hooks`, torch's ``register_comm_hook``): what
+  happens to a full bucket is a hook, called with the bucket's *local* gradients when the
+  bucket launches and waited for at the end of backward, both in bucket order. The default
+  divides by the group size and all-reduces (`allreduce_hook`); ``grad_compression="bf16"|
+  "fp16"`` is `bf16_compress_hook` / `fp16_compress_hook` (all-reduced in that dtype, half the
+  bytes, copied back into the fp32 bucket); ``module.register_comm_hook(state, hook)`` installs
+  another (PowerSGD: `comm_hooks.powerSGD_hook`).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.parallel import comm_hooks
 from meshrun.parallel._comm import broadcast_from_first_, launched, wait
 from meshrun.parallel.data_check import check_first_input
 from meshrun.parallel.heartbeat import heartbeat
@@ -81,7 +88,6 @@ MiB = 1024 * 1024
 #: A contiguous parameter of at least this many bytes is all-reduced in its own ``.grad``
 #: (a bucket by itself: no bucket buffer, no copies); see the module docstring.
 DIRECT_MIN_BYTES = 1 * MiB
-COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
@@ -94,7 +100,8 @@ def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     ranks of the local gradients, in the tensor autograd produced (a parameter of at least
     ``DIRECT_MIN_BYTES`` is reduced there in place; smaller ones go through a flat bucket
     buffer and are copied back). Adds
-    ``module.no_sync()``, a context manager that skips communication (gradient accumulation).
+    ``module.no_sync()``, a context manager that skips communication (gradient accumulation),
+    and ``module.register_comm_hook(state, hook)`` (see `_Reducer.register_comm_hook`).
 
     Args:
         module: the model, already on its device. Its parameters and buffers are overwritten
@@ -105,7 +112,8 @@ def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         find_unused_parameters: allow parameters that get no gradient in a backward (see the
             module docstring for the semantics; costs one extra small all-reduce per step).
         broadcast_buffers: broadcast buffers from rank 0 before each forward (torch's default).
-        grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce dtype.
+        grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce dtype (a shorthand
+            for ``register_comm_hook(group, bf16_compress_hook)`` / ``fp16_compress_hook``).
 
     Returns:
         ``module`` itself.
@@ -122,17 +130,20 @@ def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
                            "call meshrun.parallel.init() first")
     if getattr(module, "_meshrun_ddp", None) is not None:
         raise RuntimeError("ddp: this module is already data-parallel (ddp() was called on it)")
-    if grad_compression is not None and grad_compression not in COMPRESSION_DTYPES:
+    if grad_compression is not None and grad_compression not in comm_hooks.COMPRESSION_HOOKS:
         raise ValueError(f"ddp: grad_compression must be None, 'bf16' or 'fp16' "
                          f"(got {grad_compression!r})")
     if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
         raise ValueError(f"ddp: bucket caps must be positive (got bucket_cap_mb={bucket_cap_mb}, "
                          f"first_bucket_cap_mb={first_bucket_cap_mb})")
     reducer = _Reducer(module, group, int(bucket_cap_mb * MiB), int(first_bucket_cap_mb * MiB),
-                       find_unused_parameters, broadcast_buffers,
-                       COMPRESSION_DTYPES.get(grad_compression))
+                       find_unused_parameters, broadcast_buffers)
+    if grad_compression is not None:
+        reducer.hook = comm_hooks.COMPRESSION_HOOKS[grad_compression]
+        reducer.hook_name = f"grad_compression={grad_compression!r}"
     module._meshrun_ddp = reducer  # a plain attribute: not a submodule, not in state_dict
     module.no_sync = reducer.no_sync
+    module.register_comm_hook = reducer.register_comm_hook
     return module
 
 
@@ -162,19 +173,20 @@ class _Bucket:
     offsets: list[int]  # element offset of each parameter in the buffer
     buffer: torch.Tensor | None  # 1-D, dtype/device of its parameters; direct: the .grad
     pending: int = 0  # gradients still to arrive in this backward
-    work: dist.Work | None = None
-    comm: torch.Tensor | None = None  # what was all-reduced (the buffer, or a compressed copy)
+    result: object = None  # what the comm hook returned (a Future, a tensor, a Pending)
+    hook_bucket: comm_hooks.GradBucket | None = None  # what the hook was given
     views: list[torch.Tensor] = field(default_factory=list)  # per-parameter views of buffer
     direct: bool = False  # one large parameter, all-reduced in its own .grad (no buffer)
 
 
 class _Reducer:
     def __init__(self, module, group, bucket_cap, first_bucket_cap, find_unused,
-                 broadcast_buffers, compress_dtype):
+                 broadcast_buffers):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.find_unused = find_unused
-        self.compress_dtype = compress_dtype
+        self.hook, self.hook_state = comm_hooks.allreduce_hook, group
+        self.hook_name: str | None = None  # what installed a hook other than the default
         self.bucket_cap, self.first_bucket_cap = bucket_cap, first_bucket_cap
         named = list(module.named_parameters())  # shared parameters appear once
         self.params = [p for _, p in named if p.requires_grad]
@@ -205,6 +217,38 @@ class _Reducer:
             yield
         finally:
             self.sync = previous
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the default all-reduce
+        (torch's ``DistributedDataParallel.register_comm_hook``; the contract is in
+        `meshrun.parallel.comm_hooks`).
+
+        Args:
+            state: passed to every call as is (a process group for the stateless built-in
+                hooks, a `comm_hooks.PowerSGDState` for `comm_hooks.powerSGD_hook`; a hook
+                keeps what it carries between steps here).
+            hook: ``hook(state, bucket: GradBucket)`` returning the bucket's averaged
+                gradient: a Tensor, or a ``torch.futures.Future`` / `comm_hooks.Pending`
+                whose ``wait()`` gives one.
+
+        Raises:
+            RuntimeError: a hook is already registered, or ``grad_compression`` was given to
+                `ddp` (one hook per module, as torch: pass ``grad_compression=None`` and
+                register ``fp16_compress_hook`` yourself to combine), or called during a
+                backward.
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable as hook(state, bucket) "
+                            f"(got {type(hook).__name__})")
+        if self.hook_name is not None:
+            raise RuntimeError(f"register_comm_hook: this module already reduces with "
+                               f"{self.hook_name}; one hook per module (torch's rule)")
+        if self.in_backward:
+            raise RuntimeError("register_comm_hook: called during a backward; register the "
+                               "hook before training")
+        self.hook, self.hook_state = hook, state
+        self.hook_name = getattr(hook, "__qualname__", repr(hook))
 
     @property
     def num_buckets(self) -> int:
@@ -270,7 +314,7 @@ class _Reducer:
         self.next_bucket = 0
         self.arrived = [False] * len(self.params)
         for bucket in self.buckets:
-            bucket.pending, bucket.work, bucket.comm = len(bucket.params), None, None
+            bucket.pending, bucket.result, bucket.hook_bucket = len(bucket.params), None, None
             if bucket.direct:
                 bucket.buffer = None  # the .grad belongs to the parameter (and the optimizer)
 
@@ -349,12 +393,15 @@ class _Reducer:
         return True
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.div_(self.world_size)
-        comm = bucket.buffer
-        if self.compress_dtype is not None and comm.dtype != self.compress_dtype:
-            comm = comm.to(self.compress_dtype)
-        bucket.comm = comm
-        bucket.work = launched(dist.all_reduce(comm, group=self.group, async_op=True))
+        """Hand the full bucket (local gradients) to the comm hook; the next bucket in order
+        is launched only after this one, on every rank alike."""
+        index = self.buckets.index(bucket)
+        params = [self.params[i] for i in bucket.params]
+        views = [bucket.buffer.view_as(params[0])] if bucket.direct else bucket.views
+        bucket.hook_bucket = comm_hooks.GradBucket(
+            index, bucket.buffer, views, params, [self.names[i] for i in bucket.params],
+            is_last=index == len(self.buckets) - 1)
+        bucket.result = self.hook(self.hook_state, bucket.hook_bucket)
 
     def _finalize(self) -> None:
         """End of backward (autograd engine callback): finish the launched all-reduces."""
@@ -364,9 +411,9 @@ class _Reducer:
         try:
             used = self._launch_remaining()
             for bucket in self.buckets:
-                wait(bucket.work)
-                if bucket.comm is not bucket.buffer:
-                    bucket.buffer.copy_(bucket.comm)
+                averaged = comm_hooks.resolve(bucket.result, bucket.hook_bucket)
+                if averaged is not bucket.buffer:
+                    bucket.buffer.copy_(averaged.view_as(bucket.buffer))
                 self._copy_back(bucket)
             if used is not None:
                 wait(used)
