@@ -59,6 +59,7 @@ class Mesh:
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.shape: dict[str, int] = shape
+        self._flat: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self.device_mesh: DeviceMesh = init_device_mesh(
             device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
@@ -67,9 +68,33 @@ class Mesh:
         """Axis names, outermost first."""
         return tuple(self.shape)
 
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along ``axis`` (ranks differing only in that axis)."""
-        return self.device_mesh.get_group(self._check(axis))
+    def group(self, axis: str | tuple[str, ...]) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis`` (ranks differing only in that axis).
+
+        A tuple of axes, e.g. ``("dp", "cp")``, gives their flattened group: the ranks that
+        differ only in those axes (data and context parallel ranks share parameters, so
+        gradients are reduced over dp x cp, as torchtitan does). Flattened groups are made on
+        first use, by every rank (a collective: call it on all ranks, in the same order)."""
+        if isinstance(axis, str):
+            return self.device_mesh.get_group(self._check(axis))
+        axes = tuple(self._check(a) for a in axis)
+        if len(axes) == 1:
+            return self.group(axes[0])
+        if axes not in self._flat:
+            self._flat[axes] = self._new_flat_group(axes)
+        return self._flat[axes]
+
+    def _new_flat_group(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
+        ranks = self.device_mesh.mesh
+        order = [i for i, a in enumerate(self.shape) if a not in axes] + \
+            [list(self.shape).index(a) for a in axes]  # the flattened axes last, as named
+        rows = ranks.permute(order).reshape(-1, math.prod(self.shape[a] for a in axes))
+        mine = None
+        for row in rows.tolist():  # every rank creates every group, in the same order
+            group = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine = group
+        return mine
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis`` (0 <= rank < size(axis))."""

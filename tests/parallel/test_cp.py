@@ -8,7 +8,8 @@ import pytest
 from harness import launch
 
 CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ulysses_zigzag",
-          "check_ulysses_contiguous", "check_subgroup", "check_layouts", "check_errors"]
+          "check_ulysses_contiguous", "check_subgroup", "check_flat_group", "check_layouts",
+          "check_errors"]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])

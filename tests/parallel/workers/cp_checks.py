@@ -79,6 +79,19 @@ def check_subgroup(ctx):
         parity(attention, "zigzag", group=mesh.group("cp"), seed=100 + mesh.rank("dp"))
 
 
+def check_flat_group(ctx):
+    """Mesh.group(("dp", "cp")): the ranks that differ only in dp and cp (here: the same tp
+    coordinate of a {"dp", "cp", "tp"} mesh), members in rank order."""
+    world = dist.get_world_size()
+    tp = 2 if world == 4 else 1
+    mesh = Mesh({"dp": world // (2 * tp), "cp": 2, "tp": tp}, device_type="cpu")
+    group = mesh.group(("dp", "cp"))
+    assert mesh.group(("dp", "cp")) is group  # made once
+    members = [None] * dist.get_world_size(group)
+    dist.all_gather_object(members, dist.get_rank(), group=group)
+    assert members == [r for r in range(world) if r % tp == dist.get_rank() % tp], members
+
+
 def check_layouts(ctx):
     """The zigzag of 8 tokens over 2 ranks by hand; shard / unshard round trips."""
     assert position_ids(8, 0, 2).tolist() == [0, 1, 6, 7]
@@ -124,4 +137,5 @@ def check_errors(ctx):
 
 if __name__ == "__main__":
     run_checks([check_ring_zigzag, check_ring_contiguous, check_ulysses_zigzag,
-                check_ulysses_contiguous, check_subgroup, check_layouts, check_errors])
+                check_ulysses_contiguous, check_subgroup, check_flat_group,
+                check_layouts, check_errors])
