@@ -226,7 +226,11 @@ def load(state: dict, path: str | os.PathLike) -> None:
     ``state`` are replaced by the saved ones.
 
     Args:
-        state: as for `save`, built from the current model and optimizer.
+        state: as for `save`, built from the current model and optimizer. A top-level
+            ``Stateful`` whose tensors may not exist yet (`comm_hooks.PowerSGDState`: error
+            feedback and ``Q`` are made by the first compressed step) defines
+            ``create_for_load(saved)``; it is called first with the checkpoint's keys under
+            it (relative) and their sizes (None: not a tensor), to make them.
         path: a checkpoint directory (e.g. ``latest(directory)``, after checking it is not
             None).
 
@@ -251,6 +255,12 @@ def load(state: dict, path: str | os.PathLike) -> None:
         for key, optim in _optimizer_states(state):
             optim.prepare_load({name for name in optim.names.values()
                                 if any(k.startswith(f"{key}.state.{name}.") for k in saved_keys)})
+        for key, value in state.items():  # e.g. a comm hook's state (PowerSGDState)
+            if isinstance(value, Stateful) and hasattr(value, "create_for_load"):
+                prefix = key + "."
+                value.create_for_load({k[len(prefix):]: getattr(md, "size", None)
+                                       for k, md in metadata.state_dict_metadata.items()
+                                       if k.startswith(prefix)})
         dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
                  no_dist=not dist.is_initialized())
 
