@@ -6,14 +6,19 @@ runs unchanged under ``torchrun``, under ``meshrun``, or as plain ``python`` (on
     meshrun --nproc-per-node 2 examples/train_char_lm.py --steps 300 --checkpoint-dir ckpt
     torchrun --nproc-per-node 2 examples/train_char_lm.py --dp-mode torch-ddp
 
-Parallelism: ``--pp P --tp T --dp D`` lay the world out as one mesh
-``Mesh({"pp": P, "dp": D, "tp": T})`` (TP innermost; D defaults to world size / (P T), and
-P D T must equal the world size), and `parallelize_lm` applies, in this order:
+Parallelism: ``--pp P --tp T --cp C --dp D`` lay the world out as one mesh
+``Mesh({"pp": P, "dp": D, "cp": C, "tp": T})`` (TP innermost; D defaults to world size /
+(P C T), and P D C T must equal the world size), and `parallelize_lm` applies, in this order:
 
 - tensor parallelism (``--tp``, or ``--parallel tp``): attention heads, MLP and the vocabulary
   sharded over T ranks with ``meshrun.parallel.parallelize`` and `tp_plan` (Megatron-style,
   vocab-parallel loss); ``--sequence-parallel`` also shards norms and residuals along the
   sequence. Ranks of one TP group see the same batch.
+- context parallelism (``--cp``): each sequence split over C ranks in the zigzag layout
+  (rank r holds chunks r and 2C-1-r of 2C; positions follow), attention by ``--cp-mode``
+  ``ring`` (``meshrun.parallel.ring_attention``) or ``ulysses`` (all-to-all); batches are
+  split by the dp rank only, and gradients reduced over dp x cp. Not with --pp or
+  --sequence-parallel yet.
 - pipeline parallelism (``--pp``, or ``--parallel pp``): the blocks split into P stages with
   ``meshrun.parallel.split_into_stages``, trained with ``--pp-schedule`` (1F1B by default)
   over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's.
@@ -100,10 +105,15 @@ def parse_args(argv=None):
     p.add_argument("--parallel", choices=DP_MODES + ("tp", "pp"), default=None,
                    help="shorthand for --dp-mode, or tp: --tp <world size>, pp: --pp <world size>")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: "
-                   "world size / (pp x tp))")
+                   "world size / (pp x cp x tp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron-style)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard norms "
                    "and residuals along the sequence")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence "
+                   "split over N ranks (zigzag layout), attention by --cp-mode")
+    p.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp: "
+                   "ring attention (K/V passed around the ring) or Ulysses (all-to-all to head "
+                   "shards; N must divide the heads)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
     p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"),
                    default="1f1b", help="with --pp: interleaved1f1b puts 2 stages on a rank")
@@ -250,6 +260,8 @@ def main(argv=None):
             if args.pp > 1 else []
         if args.tp > 1:
             mode.append(f"tp {args.tp}{' + sp' if args.sequence_parallel else ''}")
+        if args.cp > 1:
+            mode.append(f"cp {args.cp} ({args.cp_mode})")
         mode.append(f"dp {par.dp_size} (dp-mode {args.dp_mode})")
         print(f"{n_params / 1e6:.2f}M params (per rank) | world {world_size} | "
               f"{' | '.join(mode)} | {batch_summary(args, global_batch, par.dp_size, n_micro)}",
@@ -293,9 +305,9 @@ def main(argv=None):
             if master:
                 print(f"step {done} | eval loss {val:.4f}", flush=True)
         if log:
-            if distributed:  # the shares of the dp ranks add up; --tp: each TP rank has it
-                dist.all_reduce(loss)
-                loss /= args.tp
+            if distributed:  # the shares of the dp ranks add up; --tp/--cp: each such rank
+                dist.all_reduce(loss)  # has it (--cp: the mean of its tokens)
+                loss /= args.tp * args.cp
             ms = (time.perf_counter() - t0) * 1000 / (done - start)
             if master:
                 print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "

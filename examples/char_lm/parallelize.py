@@ -1,7 +1,7 @@
-"""Parallelism for the char LM: one mesh {"pp", "dp", "tp"} (TP innermost); `parallelize_lm`
-applies each strategy in a fixed order with a short apply_* function (TP, then the pipeline
-split, then data parallelism), and says on rank 0 what it applied; `forward_backward` and
-`clip_gradients` are one step's parallel parts."""
+"""Parallelism for the char LM: one mesh {"pp", "dp", "cp", "tp"} (TP innermost);
+`parallelize_lm` applies each strategy in a fixed order with a short apply_* function (TP,
+context parallel attention, then the pipeline split, then data parallelism), and says on rank
+0 what it applied; `forward_backward` and `clip_gradients` are one step's parallel parts."""
 
 import contextlib
 from dataclasses import dataclass
@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from char_lm.model import N_HEAD, N_LAYER
+
+CP_LAYOUT = "zigzag"  # --cp: each rank holds sequence chunks r and 2cp-1-r (load-balanced)
 
 
 @dataclass
@@ -25,17 +27,34 @@ class Parallel:
     mesh: object | None  # meshrun.parallel.Mesh; None in one process or with torch-ddp
     dp_rank: int
     dp_size: int
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    def shard(self, x, y):
+        """A microbatch's model inputs: ``(x, y, positions)``; under --cp this rank's part of
+        each sequence (the layout's chunks) and their positions, else all (positions None)."""
+        if self.cp_size == 1:
+            return x, y, None
+        from meshrun.parallel.cp import position_ids, shard_sequence
+
+        t = x.shape[1]
+        return (shard_sequence(x, self.cp_rank, self.cp_size, CP_LAYOUT),
+                shard_sequence(y, self.cp_rank, self.cp_size, CP_LAYOUT),
+                position_ids(t, self.cp_rank, self.cp_size, CP_LAYOUT, device=x.device))
 
 
 def parallelize_lm(model, args):
-    """Apply ``--pp``, ``--tp`` and ``--dp`` (``--dp-mode``) to ``model`` over one mesh.
+    """Apply ``--pp``, ``--tp``, ``--cp`` and ``--dp`` (``--dp-mode``) to ``model`` over one mesh.
 
-    The mesh is ``Mesh({"pp": P, "dp": D, "tp": T})`` (D defaults to world size / (P T)).
-    Order: activation checkpointing of each block (``--activation-checkpointing``), TP on
-    the whole CharLM, so its parameter names and the plan's keys stay those
+    The mesh is ``Mesh({"pp": P, "dp": D, "cp": C, "tp": T})`` (D defaults to world size /
+    (P C T)). Order: activation checkpointing of each block (``--activation-checkpointing``),
+    TP on the whole CharLM, so its parameter names and the plan's keys stay those
     of CharLM and the Embed / LMHead wrappers of the split share the already sharded modules;
-    then the pipeline split, keeping this rank's stages; then data parallelism on each of them
-    over the "dp" axis (fsdp: each block, then the stage; ddp: the stage). The char LM's
+    context parallelism (each block's attention becomes ``--cp-mode`` attention over the "cp"
+    axis; `Parallel.shard` cuts each sequence); then the pipeline split, keeping this rank's
+    stages; then data parallelism on each of them over the "dp" axis, or the flattened dp x cp
+    group under --cp (cp ranks share the parameters; fsdp: each block, then the stage; ddp:
+    the stage). The char LM's
     embedding and head are separate parameters (untied), so no gradient has to be summed
     across the first and last stages. Under plain python (one process) only activation
     checkpointing is applied;
@@ -48,8 +67,8 @@ def parallelize_lm(model, args):
                              n_head=model.blocks[0].n_head)
     if problem:
         raise SystemExit(problem)
-    pp, tp = args.pp, args.tp
-    dp = args.dp if args.dp is not None else world_size // (pp * tp)
+    pp, tp, cp = args.pp, args.tp, args.cp
+    dp = args.dp if args.dp is not None else world_size // (pp * cp * tp)
     applied = []
     if args.activation_checkpointing != "none":  # each block; its FSDP unit wraps it later
         from meshrun.parallel import checkpoint_activations
@@ -69,39 +88,52 @@ def parallelize_lm(model, args):
                         dp_rank=dp_rank, dp_size=dp)
     from meshrun.parallel import Mesh
 
-    mesh = Mesh({"pp": pp, "dp": dp, "tp": tp})
+    mesh = Mesh({"pp": pp, "dp": dp, "cp": cp, "tp": tp})
     if tp > 1:  # before the split: the plan names CharLM's modules
         apply_tp(model, mesh.group("tp"), args.sequence_parallel)
         applied.append(f"tp {tp} ({len(tp_plan(args.sequence_parallel))} plan entries"
                        f"{', sequence parallel' if args.sequence_parallel else ''})")
+    if cp > 1:
+        apply_cp(model, mesh.group("cp"), args.cp_mode)
+        applied.append(f"cp {cp} ({args.cp_mode} attention, {CP_LAYOUT} layout)")
     schedule, stages = None, [model]
     if pp > 1:
         schedule = apply_pp(model, mesh.group("pp"), args)
         stages = [stage.submodule for stage in schedule.stages]
         applied.append(f"pp {pp} ({args.pp_schedule}, {len(stages)} stage(s) on this rank, "
                        f"{args.pp_microbatches} microbatches)")
-    if dp > 1:  # per stage: the pipeline switches gradient sync per stage module
+    if dp * cp > 1:  # per stage: the pipeline switches gradient sync per stage module
+        group = mesh.group(("dp", "cp")) if cp > 1 else mesh.group("dp")
         for module in stages:
-            (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, mesh.group("dp"))
-        applied.append(f"{args.dp_mode} over dp {dp}" + (" (a unit per block, then the rest)"
-                                                         if args.dp_mode == "fsdp" else ""))
-    _say(f"parallelize: mesh {dict(zip(mesh.axes, (pp, dp, tp), strict=True))}: "
+            (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, group)
+        over = f"dp {dp} x cp {cp}" if cp > 1 else f"dp {dp}"
+        applied.append(f"{args.dp_mode} over {over}" + (" (a unit per block, then the rest)"
+                                                        if args.dp_mode == "fsdp" else ""))
+    _say(f"parallelize: mesh {dict(zip(mesh.axes, (pp, dp, cp, tp), strict=True))}: "
          + ("; ".join(applied) or "nothing to apply"))
     return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
-                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp)
+                    schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp,
+                    cp_rank=mesh.rank("cp"), cp_size=cp)
 
 
 def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
-    """What is wrong with ``--pp/--tp/--dp/--dp-mode`` for this world size and a model of
+    """What is wrong with ``--pp/--tp/--cp/--dp/--dp-mode`` for this world size and a model of
     ``n_layer`` blocks of ``n_head`` heads (default: the CharLM's defaults), or None."""
-    pp, tp = args.pp, args.tp
-    if args.dp is None and world_size % (pp * tp):
-        return (f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world_size} "
-                f"(data parallelism takes the rest)")
-    dp = args.dp if args.dp is not None else world_size // (pp * tp)
-    if pp * dp * tp != world_size:
-        return (f"--pp {pp} x --dp {dp} x --tp {tp} = {pp * dp * tp} ranks, but the world "
-                f"size is {world_size}: make the product equal the world size")
+    pp, tp, cp = args.pp, args.tp, args.cp
+    if cp < 1:
+        return f"--cp {cp}: the context-parallel degree must be at least 1"
+    with_cp = f" x --cp {cp}" if cp > 1 else ""
+    if args.dp is None and world_size % (pp * cp * tp):
+        return (f"--pp {pp}{with_cp} x --tp {tp} = {pp * cp * tp} must divide the world size "
+                f"{world_size} (data parallelism takes the rest)")
+    dp = args.dp if args.dp is not None else world_size // (pp * cp * tp)
+    if pp * dp * cp * tp != world_size:
+        return (f"--pp {pp} x --dp {dp}{with_cp} x --tp {tp} = {pp * dp * cp * tp} ranks, but "
+                f"the world size is {world_size}: make the product equal the world size")
+    if cp > 1:
+        problem = cp_problem(args, n_head)
+        if problem:
+            return problem
     if args.sequence_parallel and tp == 1:
         return "--sequence-parallel needs --tp > 1"
     if args.dp_mode == "torch-ddp" and world_size > 1 and (pp > 1 or tp > 1):
@@ -116,6 +148,34 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
     if n_head % tp:
         return f"--tp {tp} must divide the model's {n_head} attention heads"
     return None
+
+
+def cp_problem(args, n_head):
+    """What --cp cannot do with the other flags, or None."""
+    cp = args.cp
+    if args.block_size % (2 * cp):
+        return (f"--cp {cp}: --block-size {args.block_size} must be a multiple of {2 * cp} "
+                f"(the {CP_LAYOUT} layout cuts each sequence into 2 x cp equal chunks)")
+    if args.pp > 1:
+        return "--cp with --pp is not supported yet: use --cp with --dp and --tp"
+    if args.sequence_parallel:
+        return "--cp with --sequence-parallel is not supported yet: drop --sequence-parallel"
+    if args.dp_mode == "torch-ddp":
+        return "--cp needs --dp-mode ddp or fsdp (torch-ddp is the pure data-parallel reference)"
+    if args.cp_mode == "ulysses" and (n_head // args.tp) % cp:
+        return (f"--cp-mode ulysses: --cp {cp} must divide the {n_head // args.tp} attention "
+                f"heads per tensor-parallel rank; use --cp-mode ring")
+    return None
+
+
+def apply_cp(model, group, mode):
+    """Each block's attention: ring or Ulysses attention over the cp group, causal."""
+    from functools import partial
+
+    from meshrun.parallel.cp import CP_MODES
+
+    for block in model.blocks:
+        block.attention = partial(CP_MODES[mode], group=group, causal=True, layout=CP_LAYOUT)
 
 
 def apply_torch_ddp(model):
@@ -242,7 +302,7 @@ def forward_backward(par, batches, global_batch, device):
     for i, (x, y) in enumerate(batches):
         weight = len(x) / global_batch
         with sync_gradients(par.model, i == len(batches) - 1):
-            loss = par.model(x.to(device), y.to(device))
+            loss = par.model(*par.shard(x.to(device), y.to(device)))
             (loss * weight * par.dp_size).backward()
         total += loss.detach() * weight
     return total
@@ -252,10 +312,11 @@ def forward_backward(par, batches, global_batch, device):
 def evaluate(par, batches, device) -> float:
     """The mean loss over every rank's evaluation ``batches`` (no gradients, no pipeline): each
     data-parallel rank evaluates its part, and the sums meet in one all-reduce (tensor-parallel
-    peers hold the same part: their copies cancel in the ratio)."""
+    peers hold the same part, context-parallel peers as many tokens of it: their copies
+    cancel in the ratio)."""
     total = torch.zeros(2, device=device)  # [sum of loss x windows, windows]
     for x, y in batches:
-        total[0] += par.model(x.to(device), y.to(device)) * len(x)
+        total[0] += par.model(*par.shard(x.to(device), y.to(device))) * len(x)
         total[1] += len(x)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)

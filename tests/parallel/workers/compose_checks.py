@@ -66,9 +66,10 @@ def compare(par, ref, what, grads):
 
 
 def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
-           count_syncs=False):
+           count_syncs=False, cp=1, cp_mode="ring"):
     args = train.parse_args(["--pp", str(pp), "--tp", str(tp), "--dp", str(dp), "--dp-mode", mode,
-                          "--pp-schedule", schedule, "--pp-microbatches", "2"])
+                          "--pp-schedule", schedule, "--pp-microbatches", "2",
+                          "--cp", str(cp), "--cp-mode", cp_mode, "--block-size", str(T)])
     torch.manual_seed(0)
     model = lm.CharLM(VOCAB, T, n_layer=n_layer, n_head=2, n_embd=16)
     ref = copy.deepcopy(model)
@@ -95,7 +96,7 @@ def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = ref(gx, gy)
             ref_loss.backward()
-            close(loss / tp, ref_loss.detach(), f"step {step} loss")
+            close(loss / (tp * cp), ref_loss.detach(), f"step {step} loss")
             compare(par, ref, f"step {step} grad", grads=True)
             if count_syncs:  # one reduce-scatter per unit and step, not per microbatch
                 units = sum(1 for m in par.modules.modules() if hasattr(m, "_fsdp_unit"))

@@ -92,6 +92,27 @@ def check_flat_group(ctx):
     assert members == [r for r in range(world) if r % tp == dist.get_rank() % tp], members
 
 
+def check_char_lm_ddp(ctx):
+    """The example's CharLM under its own parallelize_lm with --cp, against the unsplit model
+    in one process (compose_checks.parity: loss, every gradient and parameter for 2 SGD
+    steps, the global clip's norm). 2 ranks: cp 2 (ring) x ddp; 4 ranks: tp 2 x cp 2."""
+    from tests.parallel.workers.compose_checks import parity as model_parity
+
+    tp = 2 if dist.get_world_size() == 4 else 1
+    model_parity(pp=1, tp=tp, dp=1, mode="ddp", cp=2, cp_mode="ring")
+
+
+def check_char_lm_fsdp(ctx):
+    """As above with fsdp over the flattened dp x cp group. 2 ranks: cp 2 (Ulysses); 4 ranks:
+    dp 2 x cp 2 (ring)."""
+    from tests.parallel.workers.compose_checks import parity as model_parity
+
+    if dist.get_world_size() == 4:
+        model_parity(pp=1, tp=1, dp=2, mode="fsdp", cp=2, cp_mode="ring")
+    else:
+        model_parity(pp=1, tp=1, dp=1, mode="fsdp", cp=2, cp_mode="ulysses")
+
+
 def check_layouts(ctx):
     """The zigzag of 8 tokens over 2 ranks by hand; shard / unshard round trips."""
     assert position_ids(8, 0, 2).tolist() == [0, 1, 6, 7]
@@ -138,4 +159,4 @@ def check_errors(ctx):
 if __name__ == "__main__":
     run_checks([check_ring_zigzag, check_ring_contiguous, check_ulysses_zigzag,
                 check_ulysses_contiguous, check_subgroup, check_flat_group,
-                check_layouts, check_errors])
+                check_char_lm_ddp, check_char_lm_fsdp, check_layouts, check_errors])
