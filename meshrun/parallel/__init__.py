@@ -25,7 +25,8 @@ model with an explicit process group or mesh; there are no module-level global g
 - `parallelize()` + `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, ...: tensor and
   sequence parallelism (Megatron); `vocab_parallel_cross_entropy()`; `RNGTracker`.
 - `PipelineStage`, `split_into_stages()`, `ScheduleGPipe`, `Schedule1F1B`,
-  `ScheduleInterleaved1F1B`, `pipeline()`: pipeline parallelism; schedules are validated action
+  `ScheduleInterleaved1F1B`, the zero-bubble `ScheduleZBH1` and `ScheduleZBV`, `pipeline()`:
+  pipeline parallelism; schedules are validated action
   lists (`meshrun.parallel.pipelining` also has the validator and the simulator).
 - `ring_attention()`, `ulysses_attention()`, `shard_sequence()`, `position_ids()`: context
   parallelism (attention over a sequence sharded across a "cp" axis; `meshrun.parallel.cp`).
@@ -57,6 +58,8 @@ from meshrun.parallel.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBH1,
+    ScheduleZBV,
     pipeline,
     split_into_stages,
 )
@@ -81,6 +84,7 @@ __all__ += ["busy", "checkpoint_activations", "gradient_sync"]
 __all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
             "fully_shard"]
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
-            "ScheduleInterleaved1F1B", "pipeline", "split_into_stages"]
+            "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBV", "pipeline",
+            "split_into_stages"]
 __all__ += ["position_ids", "ring_attention", "shard_sequence", "ulysses_attention",
             "unshard_sequence"]

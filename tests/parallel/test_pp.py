@@ -11,7 +11,8 @@ import pytest
 from harness import launch
 
 CHECKS = ["check_gpipe", "check_1f1b", "check_1f1b_many_microbatches", "check_interleaved",
-          "check_interleaved_eight_stages", "check_custom_order", "check_eval",
+          "check_interleaved_eight_stages", "check_zbh1", "check_zbv", "check_custom_order",
+          "check_eval",
           "check_tuple_and_int_tensors", "check_scale_grads_false",
           "check_eval_shapes_differ_from_training"]
 DP_CHECKS = ["check_pp_dp_parity", "check_sync_once_per_step"]

@@ -15,6 +15,8 @@ from meshrun.parallel.pipelining import (
     Schedule1F1B,
     ScheduleError,
     ScheduleInterleaved1F1B,
+    ScheduleZBH1,
+    ScheduleZBV,
     bubble_formula,
     check_no_shared_parameters,
     forward_only,
@@ -26,7 +28,11 @@ from meshrun.parallel.pipelining import (
     simulate,
     split_into_stages,
     validate_schedule,
+    zb_h1_order,
+    zbv_order,
+    zero_bubble_formula,
 )
+from meshrun.parallel.pipelining.split_backward import backward_input
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,8 +48,9 @@ def test_action_text_round_trip():
     assert str(Action(2, "B", 13)) == "2B13"
     assert Action.parse(" 2B13 ") == Action(2, "B", 13)
     assert parse_order({0: "0F0, 0B0"}) == {0: [Action(0, "F", 0), Action(0, "B", 0)]}
-    with pytest.raises(ValueError, match="expected STAGE F|B MICROBATCH"):
-        Action.parse("0W1")
+    assert Action.parse("0W1") == Action(0, "W", 1) and str(Action(3, "W", 2)) == "3W2"
+    with pytest.raises(ValueError, match="expected STAGE F|B|W MICROBATCH"):
+        Action.parse("0I1")
     with pytest.raises(ValueError, match="kind must be"):
         Action(0, "X", 0)
 
@@ -267,3 +274,204 @@ def test_a_parameter_tied_across_pipeline_ranks_is_refused():
     check_no_shared_parameters(stages, num_ranks=1)  # both stages on one rank: one copy
     head.weight = nn.Parameter(emb.weight.detach().clone())  # untied
     check_no_shared_parameters(split_into_stages(blocks, 2, first=emb, last=head), 2)
+
+
+# -- zero-bubble schedules: B and W as separate actions -----------------------------------
+
+ZB_GRID = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8, 12)]
+
+
+def test_zero_bubble_orders_as_text():
+    assert " ".join(map(str, zb_h1_order(2, 4)[1])) == (
+        "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3")  # rank 1 postpones one W
+    zbv = zbv_order(2, 4)
+    assert {a.stage for a in zbv[0]} == {0, 3} and {a.stage for a in zbv[1]} == {1, 2}
+    assert " ".join(map(str, zbv[1][:9])) == "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0"
+
+
+@pytest.mark.parametrize("p, m", ZB_GRID)
+def test_zero_bubble_orders_validate(p, m):
+    validate_schedule(zb_h1_order(p, m), p, m)
+    validate_schedule(zbv_order(p, m), 2 * p, m, placement="v")
+    validate_schedule(forward_only(zbv_order(p, m)), 2 * p, m, backward=False, placement="v")
+
+
+def test_validator_rules_for_w():
+    with pytest.raises(ScheduleError, match="rank 1: 1W0 is a weight gradient before its "
+                                            "backward 1B0"):
+        validate_schedule(parse_order({0: "0F0 0B0", 1: "1F0 1W0 1B0"}), 2, 1)
+    with pytest.raises(ScheduleError, match=r"stage 1 splits the backward of microbatch\(es\) 0 "
+                                            r"\(W\) but not of 1: .* \(missing W\)"):
+        validate_schedule(parse_order({0: "0F0 0F1 0B0 0B1",
+                                       1: "1F0 1B0 1W0 1F1 1B1"}), 2, 2)
+    with pytest.raises(ScheduleError, match="1W1 appears 2 times"):
+        validate_schedule(parse_order({0: "0F0 0F1 0B0 0B1",
+                                       1: "1F0 1B0 1W0 1F1 1B1 1W1 1W1"}), 2, 2)
+    with pytest.raises(ScheduleError, match="stage 0 runs the W of microbatch 0 after "
+                                            "microbatch 1"):
+        validate_schedule(parse_order({0: "0F0 0F1 0B0 0B1 0W1 0W0"}), 1, 2)
+    with pytest.raises(ScheduleError, match="0W0 is a backward in a forward-only order"):
+        validate_schedule(parse_order({0: "0F0 0W0"}), 1, 1, backward=False)
+    with pytest.raises(ScheduleError, match=r"rank 0: 2F0 runs stage 2, which lives on rank 1 "
+                                            r"\(v placement\)"):  # the loop placement
+        validate_schedule(parse_order({0: "0F0 2F0", 1: "1F0 3F0"}), 4, 1, backward=False,
+                          placement="v")
+    with pytest.raises(ValueError, match="unknown stage placement 'zigzag'"):
+        validate_schedule(zbv_order(2, 4), 4, 4, placement="zigzag")
+    # a W is a wait for nobody: B of the stage below does not wait for it
+    validate_schedule(parse_order({0: "0F0 0B0 0W0", 1: "1F0 1B0 1W0"}), 2, 1)
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p, m in ZB_GRID if m >= p])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
+    """ZB-H1 against Qi et al. (ICLR 2024, section 2.1): with F, B, W costing t_F, t_B, t_W
+    (t_W <= t_F) the makespan is ``m (t_F + t_B + t_W) + (p - 1)(t_F + t_B - t_W)``; with
+    all three equal the idle time ``(p - 1) t`` per rank is a third of 1F1B's ``3 (p - 1) t``
+    (bubble fraction ``(p - 1)/(3 m + p - 1)``), at 1F1B's peak memory (p microbatches)."""
+    zb = simulate(zb_h1_order(p, m), forward=1.0, backward=2.0, weight=1.0)
+    ofob = simulate(one_f_one_b_order(p, m), forward=1.0, backward=2.0)
+    assert zb.makespan == pytest.approx(3 * m + (p - 1))
+    assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert zb.bubble_fraction == pytest.approx(zero_bubble_formula("zbh1", p, m), abs=1e-12)
+    assert zb.makespan - 3 * m == pytest.approx((ofob.makespan - 3 * m) / 3)
+    assert zb.peak_activations == {r: p for r in range(p)}
+    assert max(zb.peak_activations.values()) == max(ofob.peak_activations.values())
+    for f, b, w in [(1.0, 1.2, 0.8), (1.0, 1.5, 0.7), (1.0, 1.0, 0.5)]:
+        sim = simulate(zb_h1_order(p, m), forward=f, backward=b + w, weight=w)
+        assert sim.makespan == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+        assert sim.bubble_fraction == pytest.approx(zero_bubble_formula(
+            "zbh1", p, m, forward=f, backward_input=b, weight=w), abs=1e-12)
+
+
+@pytest.mark.parametrize("p, m", [(1, 4), (2, 4), (2, 8), (3, 5), (3, 12), (4, 8), (4, 12),
+                                  (8, 16)])
+def test_zbv_bubble_is_only_the_pipe_filling(p, m):
+    """ZB-V against Qi et al. (section 6): with every chunk's F, B and W costing t (a chunk is
+    half a stage) and m >= 2p - 1, the makespan is ``(6 m + p - 1) t``: the only idle time
+    is rank p - 1 waiting for p - 1 chunk forwards before its first (no schedule can do
+    better), bubble ``(p - 1)/(6 m + p - 1)``, which the paper's table rounds to 0; 1F1B on
+    the same p ranks idles ``3 (p - 1)`` stage-units = 6 (p - 1) t. Peak: 2p chunks = 1F1B's
+    p stages."""
+    sim = simulate(zbv_order(p, m), forward=1.0, backward=2.0, weight=1.0)
+    assert sim.makespan == pytest.approx(6 * m + p - 1)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+    assert sim.bubble_fraction == pytest.approx(zero_bubble_formula("zbv", p, m), abs=1e-12)
+    # a stage is 2 chunks: 1F1B's stage F = 2t, B = 4t, idle 6 (p - 1) t: six times more
+    ofob = simulate(one_f_one_b_order(p, m), forward=2.0, backward=4.0)
+    assert sim.makespan - 6 * m == pytest.approx((ofob.makespan - 6 * m) / 6)
+    assert max(sim.peak_activations.values()) == 2 * p
+
+
+def test_simulator_splits_costs_only_where_the_order_splits():
+    order = parse_order({0: "0F0 0B0 0W0", 1: "1F0 1B0"})  # stage 1 unsplit, stage 0 split
+    sim = simulate(order, forward=1.0, backward=3.0, weight=1.0)
+    assert sim.times[Action(1, "B", 0)] == (2.0, 5.0)  # full backward: 3
+    assert sim.times[Action(0, "B", 0)] == (5.0, 7.0)  # B: 3 - 1
+    assert sim.times[Action(0, "W", 0)] == (7.0, 8.0)  # W: 1
+    with pytest.raises(ValueError, match="weight <= backward"):
+        simulate(order, backward=1.0, weight=2.0)
+
+
+class _Count(torch.autograd.Function):
+    """Identity that counts its backward calls (in ``calls``)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Count.calls += 1
+        return grad
+
+
+class _Tied(nn.Module):
+    """Two layers, one of them used twice (its W reaches it from two places)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = _Count.apply(torch.tanh(self.a(x)))
+        h = self.b(h) + h
+        return self.norm(self.a(h)) * 2
+
+
+@pytest.mark.parametrize("module", ["tied", "mlp", "first stage"])
+def test_split_backward_equals_the_full_backward(module):
+    """B gives the input gradient and leaves .grad alone; W then gives exactly the gradients
+    of one full backward, and (without a tied weight) does not run the input side again."""
+    torch.manual_seed(0)
+    if module == "mlp":
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        model.insert(2, _CountModule())
+    else:
+        model = _Tied()
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(3, 4), torch.randn(3, 4)
+    needs_grad = module != "first stage"
+    xi = x.clone().requires_grad_(needs_grad)
+    params = list(model.parameters())
+    _Count.calls = 0
+    dx, weights = backward_input([model(xi)], [g], [xi] if needs_grad else [], params)
+    after_b = _Count.calls
+    assert all(p.grad is None for p in params), "B touched a parameter's gradient"
+    weights.backward_weight()
+    after_w = _Count.calls
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+    if needs_grad:
+        torch.testing.assert_close(dx[0], xr.grad)
+    if module == "mlp":
+        assert (after_b, after_w) == (1, 1), "W ran the input side again"
+
+
+class _CountModule(nn.Module):
+    def forward(self, x):
+        return _Count.apply(x)
+
+
+@pytest.mark.parametrize("schedule_cls", [ScheduleZBH1, ScheduleZBV])
+def test_one_rank_zero_bubble_pipeline_matches_the_unsplit_model(schedule_cls):
+    torch.manual_seed(0)
+    n = 2 if schedule_cls is ScheduleZBV else 1
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)]
+    first, last = nn.Linear(5, 8), nn.Linear(8, 3)
+    full = nn.Sequential(first, *blocks, last)
+    ref = copy.deepcopy(full)
+    modules = split_into_stages(blocks, n, first=first, last=last)
+    stages = [PipelineStage(m, s, n, placement="v" if n == 2 else "loop")
+              for s, m in enumerate(modules)]
+    schedule = schedule_cls(stages if n == 2 else stages[0], 4, mse)
+    assert any(a.kind == "W" for a in schedule.pipeline_order[0])
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    losses = []
+    schedule.step(x, target=y, losses=losses)
+    mse(ref(x), y).backward()
+    torch.testing.assert_close(torch.stack(losses).mean(), mse(ref(x), y).detach())
+    for p, q in zip(full.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_zero_bubble_errors_name_the_fix():
+    torch.manual_seed(0)
+    loop = [PipelineStage(nn.Linear(2, 2), s, 2) for s in range(2)]
+    with pytest.raises(ValueError, match=r"build the stages with PipelineStage\(\.\.\., "
+                                         r"placement='v'\)"):
+        ScheduleZBV(loop, 4, mse)
+    with pytest.raises(ValueError, match="needs exactly 2 stages per rank"):
+        ScheduleZBV(loop[:1], 4, mse)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        ScheduleZBH1(loop[0], 4, mse)
+    with pytest.raises(ValueError, match=r"schedule 'zbv' runs 2 stage\(s\) per rank, but there "
+                                         r"are 3 stages on 1 ranks"):
+        pipeline([nn.Linear(2, 2) for _ in range(3)], schedule="zbv", n_microbatches=2)
+    zbv = pipeline([nn.Linear(2, 2) for _ in range(2)], schedule="ZB-V", n_microbatches=2)
+    assert isinstance(zbv, ScheduleZBV)
+    assert isinstance(pipeline([nn.Linear(2, 2)], schedule="zbh1", n_microbatches=2),
+                      ScheduleZBH1)

@@ -20,6 +20,10 @@ One step (``step(*args, target=..., losses=[])``):
   gradient of the output from stage s+1 (last stage: start from the loss), backward, send the
   gradient of the input to stage s-1. Floating-point tensors carry gradients; integer ones
   travel forward only. Neighbouring stages on one rank hand tensors over without a message.
+- Split backward (a stage whose actions include ``W``; see `split_backward`): ``B(s, m)``
+  computes only the input gradient (``autograd.grad`` w.r.t. the stage input, the graph
+  retained) and sends it; ``W(s, m)`` later accumulates the parameters' gradients into
+  ``.grad`` from the gradients B kept at the layers that use them, and frees the graph.
 
 Point-to-point (c10d ``isend``/``irecv``, one tag per message so gloo matches by tag):
 
@@ -67,8 +71,18 @@ import torch.distributed as dist
 from meshrun.parallel._comm import launched, wait
 from meshrun.parallel.grad_sync import gradient_sync
 from meshrun.parallel.heartbeat import heartbeat
-from meshrun.parallel.pipelining.actions import BACKWARD, FORWARD, Action, Order, stage_rank
+from meshrun.parallel.pipelining.actions import (
+    BACKWARD,
+    FORWARD,
+    LOOP,
+    WEIGHT,
+    Action,
+    Order,
+    stage_rank,
+)
 from meshrun.parallel.pipelining.orders import forward_only
+from meshrun.parallel.pipelining.simulate import split_stages
+from meshrun.parallel.pipelining.split_backward import SplitBackward, backward_input
 from meshrun.parallel.pipelining.stage import PipelineStage, as_tuple, tensor_meta
 from meshrun.parallel.pipelining.validate import validate_schedule
 
@@ -95,8 +109,10 @@ class PipelineSchedule:
 
     Raises:
         ScheduleError: the order fails `validate_schedule` (a ValueError).
-        ValueError: no stages, stages from different groups or with different stage
-            counts, or stages that differ from those the order runs on this rank.
+        ValueError: no stages, stages from different groups, stage counts or placements, or
+            stages that differ from those the order runs on this rank.
+        NotImplementedError: a "v" placement on a backend other than gloo (see `validate`,
+            rule 6).
 
     Attributes:
         pipeline_order: the validated order of every rank (``dict[int, list[Action]]``).
@@ -113,19 +129,29 @@ class PipelineSchedule:
             raise ValueError("PipelineSchedule: give at least one PipelineStage")
         head = stages[0]
         for st in stages[1:]:
-            if (st.num_stages, st.group_size, st.group_rank) != (
-                    head.num_stages, head.group_size, head.group_rank) or st.group is not head.group:
+            if (st.num_stages, st.group_size, st.group_rank, st.placement) != (
+                    head.num_stages, head.group_size, head.group_rank, head.placement
+            ) or st.group is not head.group:
                 raise ValueError(f"PipelineSchedule: {st} and {head} are not stages of the "
-                                 f"same pipeline (same group and num_stages)")
+                                 f"same pipeline (same group, num_stages and placement)")
         self.num_stages, self.rank, self.num_ranks = (head.num_stages, head.group_rank,
                                                       head.group_size)
         self.group = head.group
+        self.placement = head.placement
+        if (self.placement != LOOP and self.num_ranks > 1
+                and dist.get_backend(self.group) != "gloo"):
+            raise NotImplementedError(
+                f"PipelineSchedule: the {self.placement!r} placement interleaves activations "
+                f"and gradients differently at the two ends of a channel, which only a "
+                f"backend matching messages by tag handles; use gloo (got "
+                f"{dist.get_backend(self.group)})")
         if len(order) != self.num_ranks:
             raise ValueError(f"PipelineSchedule: the order has {len(order)} ranks but the "
                              f"pipeline group has {self.num_ranks}")
-        validate_schedule(order, self.num_stages, n_microbatches)
+        validate_schedule(order, self.num_stages, n_microbatches, placement=self.placement)
         eval_order = forward_only(order)
-        validate_schedule(eval_order, self.num_stages, n_microbatches, backward=False)
+        validate_schedule(eval_order, self.num_stages, n_microbatches, backward=False,
+                          placement=self.placement)
         mine = sorted({a.stage for a in order[self.rank]})
         given = sorted(st.stage_index for st in stages)
         if mine != given:
@@ -139,6 +165,7 @@ class PipelineSchedule:
         self.last_actions: list[Action] = []
         self._eval_order = eval_order
         self._by_index = {st.stage_index: st for st in stages}
+        self._split = split_stages(order)  # stages whose backward is B then W
         # the fixed shapes of each channel between ranks, per mode (training step, eval):
         self._sent_meta: dict[tuple[bool, int], list] = {}  # (training, destination stage)
         self._recv_meta: dict[tuple[bool, int], list] = {}  # (training, stage of this rank)
@@ -214,6 +241,7 @@ class _Step:
             if target is not None and schedule.loss_fn is not None:
                 self.targets = _split(target, m, "target")
         self.cache: dict[tuple[int, int], tuple[list, list]] = {}
+        self.weights: dict[tuple[int, int], SplitBackward] = {}  # B done, W not yet
         self.outputs: dict[int, object] = {}
         self.loss_values: dict[int, torch.Tensor] = {}
         self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
@@ -234,8 +262,10 @@ class _Step:
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
             if action.kind == FORWARD:
                 self._forward(action, inputs)
-            else:
+            elif action.kind == BACKWARD:
                 self._backward(action, inputs)
+            else:
+                self._weight(action)
             sched.last_actions.append(action)
         for work, _ in self.sends:
             wait(work)
@@ -291,13 +321,25 @@ class _Step:
             floats = [o for o in outputs if o.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
             tensors, grad_tensors = [o for o, _ in pairs], [g for _, g in pairs]
-        with gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
-            if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
+        floats = [x for x in inputs if x.is_floating_point()]
+        if s in self.sched._split:  # B now (the input gradient), W later
+            params = [p for p in stage.submodule.parameters() if p.requires_grad]
+            grads, self.weights[(s, m)] = backward_input(tensors, grad_tensors, floats, params)
+        else:
+            with gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
+                if tensors:
+                    torch.autograd.backward(tensors, grad_tensors)
+            grads = [x.grad for x in floats]
         if not stage.is_first:
-            input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
-                           for x in inputs if x.is_floating_point()]
+            input_grads = [g if g is not None else torch.zeros_like(x)
+                           for x, g in zip(floats, grads, strict=True)]
             self._send(BACKWARD, s - 1, m, input_grads)
+
+    def _weight(self, action: Action):
+        s, m = action.stage, action.microbatch
+        stage = self.sched._by_index[s]
+        with gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
+            self.weights.pop((s, m)).backward_weight()
 
     def _check_outputs(self, stage: PipelineStage, m: int, outputs: list):
         bad = [type(o).__name__ for o in outputs if not isinstance(o, torch.Tensor)]
@@ -321,7 +363,7 @@ class _Step:
     # -- communication ----------------------------------------------------------------------
 
     def _peer(self, stage: int) -> int:
-        return stage_rank(stage, self.sched.num_ranks)
+        return stage_rank(stage, self.sched.num_ranks, self.sched.placement)
 
     def _tag(self, kind: str, dst_stage: int, m: int, slot: int) -> int:
         direction = 1 if kind == BACKWARD else 0
@@ -360,7 +402,9 @@ class _Step:
         return False
 
     def _source(self, action: Action) -> int | None:
-        """The stage whose message ``action`` needs, or None (stage 0 F, last stage B)."""
+        """The stage whose message ``action`` needs, or None (stage 0 F, last stage B, W)."""
+        if action.kind == WEIGHT:
+            return None
         if action.kind == FORWARD:
             return action.stage - 1 if action.stage > 0 else None
         return action.stage + 1 if action.stage < self.sched.num_stages - 1 else None

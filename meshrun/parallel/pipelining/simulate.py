@@ -13,10 +13,16 @@ Megatron-LM", 2021):
 - GPipe and 1F1B: makespan ``(m + p - 1)(t_f + t_b)``, bubble ``(p - 1) / (m + p - 1)``.
 - Interleaved 1F1B with v chunks per rank (each chunk costs 1/v of a stage): makespan
   ``m (t_f + t_b) + (p - 1)(t_f + t_b) / v``, bubble ``(p - 1) / (v m + p - 1)``.
+- Split backward (zero-bubble; Qi et al., ICLR 2024): a full backward ``t_b`` splits into B
+  (input gradient, ``t_b - t_w``) and W (weight gradient, ``t_w``). ZB-H1 (F, B, W of a stage
+  costing ``t_f, t_B, t_w``, ``t_w <= t_f``): makespan ``m (t_f + t_B + t_w) + (p - 1)(t_f +
+  t_B - t_w)``; with all three equal the bubble time is a third of 1F1B's. ZB-V (chunk costs
+  all equal to t): makespan ``(6 m + p - 1) t``. See `zero_bubble_formula`.
 
 Activation memory: a microbatch's activations live on a stage from its forward to its
-backward; ``peak_activations[r]`` is the most microbatch-stages alive at once on rank r
-(GPipe: m; 1F1B: p - r, at most p; with v chunks the count is in chunk units).
+backward (to its W when the backward is split: W still needs the layer inputs);
+``peak_activations[r]`` is the most microbatch-stages alive at once on rank r (GPipe: m;
+1F1B and ZB-H1: at most p; with v chunks the count is in chunk units).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meshrun.parallel.pipelining.actions import FORWARD, Action, Order
+from meshrun.parallel.pipelining.actions import BACKWARD, FORWARD, WEIGHT, Action, Order
 from meshrun.parallel.pipelining.validate import run_order
 
 Cost = float | Sequence[float]  # one value for every stage, or one per stage
@@ -52,7 +58,7 @@ class Simulation:
 
 
 def simulate(order: Order, num_stages: int | None = None, *, forward: Cost = 1.0,
-             backward: Cost = 2.0, comm: float = 0.0,
+             backward: Cost = 2.0, weight: Cost | None = None, comm: float = 0.0,
              cost: Callable[[Action], float] | None = None) -> Simulation:
     """Simulate one step of ``order``; return its timeline, bubble and activation peaks.
 
@@ -61,22 +67,39 @@ def simulate(order: Order, num_stages: int | None = None, *, forward: Cost = 1.0
         num_stages: total stages (default: the largest stage index in ``order`` plus one).
         forward: cost of one microbatch's forward, for every stage or per stage (sequence
             indexed by stage). Any time unit; the bubble fraction is unitless.
-        backward: the same for backward (default 2: a backward is about two forwards).
+        backward: the same for the whole backward (default 2: a backward is about two
+            forwards).
+        weight: the part of ``backward`` that is the weight gradient (default: half of it).
+            Where the order splits a stage's backward, its W costs ``weight`` and its B
+            ``backward - weight``; an unsplit B costs ``backward``.
         comm: delay of each message between two ranks, same unit.
-        cost: overrides ``forward``/``backward``: ``cost(action) -> float``.
+        cost: overrides ``forward``/``backward``/``weight``: ``cost(action) -> float``.
 
     Raises:
         ScheduleError: the order deadlocks (see `validate_schedule` for the full checks).
-        ValueError: a per-stage cost sequence shorter than ``num_stages``.
+        ValueError: a per-stage cost sequence shorter than ``num_stages``, or a weight cost
+            above the backward's.
     """
     if num_stages is None:
         num_stages = 1 + max(a.stage for actions in order.values() for a in actions)
     if cost is None:
         fwd, bwd = _per_stage(forward, num_stages, "forward"), _per_stage(backward, num_stages,
                                                                           "backward")
+        wgt = ([b / 2 for b in bwd] if weight is None
+               else _per_stage(weight, num_stages, "weight"))
+        if any(w > b for w, b in zip(wgt, bwd, strict=False)):
+            raise ValueError(f"simulate: the weight gradient is part of the backward, so weight "
+                             f"<= backward (got weight {wgt[:num_stages]}, backward "
+                             f"{bwd[:num_stages]})")
+        split = split_stages(order)
 
         def cost(action: Action) -> float:
-            return (fwd if action.kind == FORWARD else bwd)[action.stage]
+            s = action.stage
+            if action.kind == FORWARD:
+                return fwd[s]
+            if action.kind == WEIGHT:
+                return wgt[s]
+            return bwd[s] - wgt[s] if s in split else bwd[s]
 
     times = run_order(order, num_stages, (cost, lambda src, dst: comm))
     makespan = max((f for _, f in times.values()), default=0.0)
@@ -85,13 +108,23 @@ def simulate(order: Order, num_stages: int | None = None, *, forward: Cost = 1.0
     return Simulation(makespan, busy, bubble, peak_activations(order), times)
 
 
+def split_stages(order: Order) -> set[int]:
+    """The stages whose backward ``order`` splits into B and W (those with W actions)."""
+    return {a.stage for actions in order.values() for a in actions if a.kind == WEIGHT}
+
+
 def peak_activations(order: Order) -> dict[int, int]:
-    """Rank -> the most microbatch-stages alive (forward run, backward not yet) at once."""
+    """Rank -> the most microbatch-stages alive (forward run; backward, or W where the
+    backward is split, not yet) at once."""
+    split = split_stages(order)
     peaks = {}
     for r, actions in order.items():
         alive = peak = 0
         for a in actions:
-            alive += 1 if a.kind == FORWARD else -1
+            if a.kind == FORWARD:
+                alive += 1
+            elif a.kind == WEIGHT or (a.kind == BACKWARD and a.stage not in split):
+                alive -= 1
             peak = max(peak, alive)
         peaks[r] = peak
     return peaks
@@ -101,6 +134,36 @@ def bubble_formula(num_ranks: int, n_microbatches: int, chunks_per_rank: int = 1
     """The textbook bubble fraction ``(p - 1) / (v m + p - 1)`` (v = 1: GPipe and 1F1B)."""
     p, m, v = num_ranks, n_microbatches, chunks_per_rank
     return (p - 1) / (v * m + p - 1)
+
+
+def zero_bubble_formula(schedule: str, num_ranks: int, n_microbatches: int, *,
+                        forward: float = 1.0, backward_input: float = 1.0,
+                        weight: float = 1.0) -> float:
+    """The bubble fraction of ZB-H1 or ZB-V from the costs of one F, B (input gradient) and W.
+
+    Args:
+        schedule: ``"zbh1"`` or ``"zbv"``.
+        num_ranks, n_microbatches: p and m (ZB-V: m >= 2p - 1 for its full steady state).
+        forward, backward_input, weight: t_F, t_B, t_W of one stage (ZB-H1) or one chunk
+            (ZB-V), any unit.
+
+    ZB-H1 (Qi et al., ICLR 2024, section 2.1; needs ``t_W <= t_F``): bubble time
+    ``(p - 1)(t_F + t_B - t_W)`` against 1F1B's ``(p - 1)(t_F + t_B + t_W)``, so the fraction
+    is ``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``. ZB-V
+    (section 6; exact for equal chunk costs): each rank idles only while the pipe fills with
+    one chunk forward per rank, ``(p - 1) t_F``, against ``2 m (t_F + t_B + t_W)`` of work; the
+    paper rounds this to zero. Raises ValueError for another schedule name.
+    """
+    p, m = num_ranks, n_microbatches
+    f, b, w = forward, backward_input, weight
+    if schedule == "zbh1":
+        idle, work = (p - 1) * (f + b - w), m * (f + b + w)
+    elif schedule == "zbv":
+        idle, work = (p - 1) * f, 2 * m * (f + b + w)
+    else:
+        raise ValueError(f"zero_bubble_formula: schedule must be 'zbh1' or 'zbv' (got "
+                         f"{schedule!r})")
+    return idle / (work + idle)
 
 
 def _per_stage(value: Cost, num_stages: int, what: str) -> list[float]:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import placement
+from meshrun.parallel import placement as placement_record
+from meshrun.parallel.pipelining.actions import LOOP, stage_rank
 
 TensorOrTuple = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -27,8 +28,10 @@ TensorOrTuple = torch.Tensor | tuple[torch.Tensor, ...]
 class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``, run by this rank of the pipeline ``group``.
 
-    Stage ``s`` belongs on pipeline rank ``s % group_size`` (loop placement); with more stages
-    than ranks (interleaved schedules) a rank builds one `PipelineStage` per stage it holds.
+    Stage ``s`` belongs on pipeline rank ``s % group_size`` (loop placement), or zig-zags down
+    and up the ranks (``placement="v"``, for `ScheduleZBV`: rank r holds stages r and
+    2p - 1 - r); with more stages than ranks a rank builds one `PipelineStage` per stage it
+    holds.
 
     Args:
         submodule: the stage's layers, already on ``device``. Its forward takes the previous
@@ -43,10 +46,13 @@ class PipelineStage:
             tuple; only shapes and dtypes matter). When given, the first activation received
             each step is checked against it, and a mismatch is a RuntimeError naming both
             stages instead of a failure deep inside the stage's forward.
+        placement: ``"loop"`` (default) or ``"v"``: which rank each stage lives on (see
+            `meshrun.parallel.pipelining.actions`).
 
     Raises:
         ValueError: stage_index out of range, num_stages not a multiple of the group size, or
-            the stage does not belong on this rank (the message names the rank it belongs on).
+            the stage does not belong on this rank (the message names the rank it belongs on),
+            or an unknown placement.
 
     Mirrors ``torch.distributed.pipelining.PipelineStage(submodule, stage_index, num_stages,
     device, input_args=None, group=None)``; here ``group`` is the fourth argument and
@@ -56,7 +62,7 @@ class PipelineStage:
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  group: dist.ProcessGroup | None = None, *,
                  device: torch.device | str | None = None,
-                 input_args: TensorOrTuple | None = None):
+                 input_args: TensorOrTuple | None = None, placement: str = LOOP):
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage: need 0 <= stage_index < num_stages (got "
                              f"stage_index={stage_index}, num_stages={num_stages})")
@@ -70,10 +76,11 @@ class PipelineStage:
         if num_stages % group_size:
             raise ValueError(f"PipelineStage: num_stages ({num_stages}) must be a multiple of "
                              f"the pipeline group size ({group_size})")
-        if stage_index % group_size != group_rank:
+        home = stage_rank(stage_index, group_size, placement)
+        if home != group_rank:
+            rule = f"stage % {group_size}" if placement == LOOP else f"{placement} placement"
             raise ValueError(f"PipelineStage: stage {stage_index} belongs on pipeline rank "
-                             f"{stage_index % group_size} (stage % {group_size}), but this is "
-                             f"pipeline rank {group_rank}")
+                             f"{home} ({rule}), but this is pipeline rank {group_rank}")
         if device is None:  # the parameters' device; without any, the group's (nccl: CUDA)
             first = next(submodule.parameters(), None)
             device = first.device if first is not None else _group_device(group)
@@ -83,10 +90,11 @@ class PipelineStage:
         self.group = group
         self.group_rank = group_rank
         self.group_size = group_size
+        self.placement = placement
         self.device = torch.device(device)
         self.input_meta = None if input_args is None else tensor_meta(as_tuple(input_args))
         for p in submodule.parameters():  # ownership, in each parameter's placement record
-            placement.record(p, placement.of(p).owned_by(stage_index))
+            placement_record.record(p, placement_record.of(p).owned_by(stage_index))
 
     @property
     def is_first(self) -> bool:

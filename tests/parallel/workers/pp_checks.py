@@ -18,6 +18,8 @@ from meshrun.parallel.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBH1,
+    ScheduleZBV,
     parse_order,
     split_into_stages,
 )
@@ -108,8 +110,12 @@ def build(n_stages, rank, world, schedule_cls, n_microbatches, n_blocks=4):
     full, first, blocks, last = make_model(n_blocks)
     ref = copy.deepcopy(full)
     modules = split_into_stages(blocks, n_stages, first=first, last=last)
-    stages = [PipelineStage(modules[s], s, n_stages) for s in range(rank, n_stages, world)]
-    if schedule_cls is ScheduleInterleaved1F1B:
+    if schedule_cls is ScheduleZBV:  # the V: rank r holds stages r and 2p - 1 - r
+        stages = [PipelineStage(modules[s], s, n_stages, placement="v")
+                  for s in (rank, n_stages - 1 - rank)]
+    else:
+        stages = [PipelineStage(modules[s], s, n_stages) for s in range(rank, n_stages, world)]
+    if schedule_cls in (ScheduleInterleaved1F1B, ScheduleZBV):
         schedule = schedule_cls(stages, n_microbatches, mse)
     else:
         schedule = schedule_cls(stages[0], n_microbatches, mse)
@@ -137,6 +143,28 @@ def check_interleaved(ctx):
 def check_interleaved_eight_stages(ctx):
     """v = 4 chunks per rank (8 stages of one block), m = 2 microbatches."""
     parity(*build(8, ctx.rank, 2, ScheduleInterleaved1F1B, 2, n_blocks=8), ctx.rank)
+
+
+def check_zbh1(ctx):
+    """ZB-H1: B (input gradient) and W (weight gradient) as separate actions; rank 1
+    postpones one W."""
+    schedule, full, ref = build(2, ctx.rank, 2, ScheduleZBH1, 4)
+    assert sum(a.kind == "W" for a in schedule.pipeline_order[ctx.rank]) == 4
+    parity(schedule, full, ref, ctx.rank)
+
+
+def check_zbv(ctx):
+    """ZB-V: 4 stages on 2 ranks in a V (rank 0: stages 0 and 3, so the loss is on rank 0;
+    rank 1: stages 1 and 2, handed over locally); m = 4 microbatches; then an eval."""
+    schedule, full, ref = build(4, ctx.rank, 2, ScheduleZBV, 4)
+    assert [st.stage_index for st in schedule.stages] == [ctx.rank, 3 - ctx.rank]
+    parity(schedule, full, ref, ctx.rank, steps=3)
+    x, y = data(9)
+    losses = []
+    out = schedule.eval(x, target=y, losses=losses)
+    if ctx.rank == 0:  # holds the last stage (3)
+        with torch.no_grad():
+            close(out, ref(x), "zbv eval output")
 
 
 CUSTOM = {0: "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", 1: "1F0 1B0 1F1 1B1 1F2 1F3 1B2 1B3"}
@@ -248,7 +276,7 @@ def check_scale_grads_false(ctx):
 
 
 CHECKS = [check_gpipe, check_1f1b, check_1f1b_many_microbatches, check_interleaved,
-          check_interleaved_eight_stages, check_custom_order, check_eval,
+          check_interleaved_eight_stages, check_zbh1, check_zbv, check_custom_order, check_eval,
           check_tuple_and_int_tensors, check_scale_grads_false,
           check_eval_shapes_differ_from_training]
 
