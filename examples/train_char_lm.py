@@ -115,8 +115,9 @@ def parse_args(argv=None):
                    "ring attention (K/V passed around the ring) or Ulysses (all-to-all to head "
                    "shards; N must divide the heads)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
-    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"),
-                   default="1f1b", help="with --pp: interleaved1f1b puts 2 stages on a rank")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b", "zbh1", "zbv"),
+                   default="1f1b", help="with --pp: interleaved1f1b and zbv (zero-bubble, V "
+                   "shape) put 2 stages on a rank; zbh1 and zbv split the backward into B and W")
     p.add_argument("--pp-microbatches", type=int, default=4, help="with --pp: per step")
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient to this "
                    "global norm, over every axis of the mesh (0: no clipping)")

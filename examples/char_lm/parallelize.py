@@ -139,9 +139,13 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
     if args.dp_mode == "torch-ddp" and world_size > 1 and (pp > 1 or tp > 1):
         return ("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) is for "
                 "pure data parallelism; with --pp or --tp use --dp-mode ddp or fsdp")
-    stages = pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
+    stages = pp * stages_per_rank(args.pp_schedule)
+    if pp > 1 and args.pp_schedule in ("zbh1", "zbv") and dp * cp > 1:
+        return (f"--pp-schedule {args.pp_schedule} splits each backward into B and W, which "
+                f"the data-parallel gradient hooks do not follow yet; with --dp or --cp use "
+                f"--pp-schedule 1f1b or interleaved1f1b")
     if pp > 1 and stages > n_layer:
-        how = f"{pp} pipeline ranks x 2 stages (interleaved)" if stages > pp else \
+        how = f"{pp} pipeline ranks x 2 stages ({args.pp_schedule})" if stages > pp else \
             f"{pp} pipeline ranks"
         return (f"--pp {pp}: {how} = {stages} stages, but the model has {n_layer} blocks; "
                 f"use at most {n_layer} stages")
@@ -244,7 +248,7 @@ def apply_tp(model, group, sequence_parallel):
 
 
 # -------------------------------------------------------------------------------------------
-# pipeline parallelism (--pp N): the blocks split into N stages (2N with interleaved 1F1B),
+# pipeline parallelism (--pp N): the blocks split into N stages (2N with interleaved 1F1B or ZB-V),
 # embeddings on the first, norm and head on the last
 
 
@@ -270,13 +274,17 @@ def lm_loss(logits, targets, loss_fn=F.cross_entropy):
     return loss_fn(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule in ("interleaved1f1b", "zbv") else 1
+
+
 def apply_pp(model, group, args):
     """Split the model into stages; return the schedule of this rank's stages."""
     from functools import partial
 
     from meshrun.parallel.pipelining import pipeline, split_into_stages
 
-    n_stages = args.pp * (2 if args.pp_schedule == "interleaved1f1b" else 1)
+    n_stages = args.pp * stages_per_rank(args.pp_schedule)
     stages = split_into_stages(model.blocks, n_stages, first=Embed(model), last=LMHead(model))
     return pipeline(stages, group, schedule=args.pp_schedule,
                     n_microbatches=args.pp_microbatches,

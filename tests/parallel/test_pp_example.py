@@ -29,6 +29,7 @@ def unsplit():
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("flags", [("--pp", "2"),
                                    ("--parallel", "pp", "--pp-schedule", "interleaved1f1b"),
+                                   ("--pp", "2", "--pp-schedule", "zbv"),
                                    ("--pp", "2", "--activation-checkpointing", "full")])
 def test_pipeline_matches_unsplit_run(unsplit, flags):
     output = launch(EXAMPLE, 2, (*ARGS, *flags), timeout=120).output

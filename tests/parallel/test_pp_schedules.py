@@ -471,6 +471,13 @@ def test_zero_bubble_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"schedule 'zbv' runs 2 stage\(s\) per rank, but there "
                                          r"are 3 stages on 1 ranks"):
         pipeline([nn.Linear(2, 2) for _ in range(3)], schedule="zbv", n_microbatches=2)
+    class DataParallel(nn.Linear):  # what ddp and fully_shard add
+        def no_sync(self):
+            raise AssertionError("not reached")
+
+    with pytest.raises(NotImplementedError, match="stage 0 is under data parallelism .* use a "
+                                                  "schedule without W actions"):
+        ScheduleZBH1(PipelineStage(DataParallel(2, 2), 0, 1), 2, mse)
     zbv = pipeline([nn.Linear(2, 2) for _ in range(2)], schedule="ZB-V", n_microbatches=2)
     assert isinstance(zbv, ScheduleZBV)
     assert isinstance(pipeline([nn.Linear(2, 2)], schedule="zbh1", n_microbatches=2),

@@ -112,7 +112,7 @@ class PipelineSchedule:
         ValueError: no stages, stages from different groups, stage counts or placements, or
             stages that differ from those the order runs on this rank.
         NotImplementedError: a "v" placement on a backend other than gloo (see `validate`,
-            rule 6).
+            rule 6), or a split backward (W actions) on a stage under ddp or fully_shard.
 
     Attributes:
         pipeline_order: the validated order of every rank (``dict[int, list[Action]]``).
@@ -166,6 +166,14 @@ class PipelineSchedule:
         self._eval_order = eval_order
         self._by_index = {st.stage_index: st for st in stages}
         self._split = split_stages(order)  # stages whose backward is B then W
+        for st in stages:
+            if st.stage_index in self._split and _data_parallel(st.submodule):
+                raise NotImplementedError(
+                    f"PipelineSchedule: stage {st.stage_index} is under data parallelism (ddp "
+                    f"or fully_shard), whose gradient hooks expect one backward per "
+                    f"microbatch, but this order splits its backward into B and W; use a "
+                    f"schedule without W actions (1f1b, interleaved1f1b) with data "
+                    f"parallelism")
         # the fixed shapes of each channel between ranks, per mode (training step, eval):
         self._sent_meta: dict[tuple[bool, int], list] = {}  # (training, destination stage)
         self._recv_meta: dict[tuple[bool, int], list] = {}  # (training, stage of this rank)
@@ -493,6 +501,12 @@ class _Recv:
 
 # -------------------------------------------------------------------------------------------
 # helpers
+
+
+def _data_parallel(module) -> bool:
+    """Whether ``module`` or a submodule switches gradient sync (ddp, fully_shard, torch's)."""
+    return any(hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
+               for m in module.modules())
 
 
 def _split(value, m: int, what: str):
