@@ -9,7 +9,8 @@ the refusals. One launch per world size runs every check in workers/cp_checks.py
 import pytest
 from harness import launch
 
-CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ulysses_zigzag",
+CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ring_matmul_blocks",
+          "check_ulysses_zigzag",
           "check_ulysses_contiguous", "check_subgroup", "check_flat_group", "check_char_lm_ddp",
           "check_char_lm_fsdp", "check_layouts", "check_errors"]
 

@@ -23,7 +23,9 @@ with ``delta = rowsum(dO * O)``::
 Keys and values go round the ring again, and with them an accumulator of their dK and dV:
 each rank adds its block's contribution and passes it on, so after cp steps and one more hop
 every accumulator is back on the rank that owns those keys. Sends run while the next block
-computes.
+computes. On CPU each block is torch's fused attention kernel (its forward returns the block's
+log-sum-exp; its backward, given the final output and log-sum-exp, is exactly the block's
+share of the gradients), elsewhere the same math in matmuls.
 
 Causal masks: a rank's own block is causal on local indices (both layouts keep local tokens in
 position order). Another rank's block is, by chunk order, fully visible or fully masked:
@@ -134,7 +136,23 @@ def _scores(q, k, scale, diagonal):
     return s
 
 
+# torch's fused CPU attention kernel returns the log-sum-exp a block needs, and its backward
+# takes the final output and log-sum-exp, which is exactly a block's share of the gradients;
+# elsewhere the blocks are computed here with matmuls (the same math, S/cp x S/cp scores).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+use_fused_kernel = True  # tests switch it off to check the matmul blocks on CPU too
+
+
+def _fused(t: torch.Tensor) -> bool:
+    return (use_fused_kernel and t.device.type == "cpu" and _CPU_FLASH is not None
+            and t.dtype in (torch.float32, torch.float64))
+
+
 def _block_forward(q, k, v, scale, diagonal):
+    if _fused(q):
+        return _CPU_FLASH(q, k, v, 0.0, diagonal, scale=scale)
     s = _scores(q, k, scale, diagonal)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v), lse
@@ -148,7 +166,9 @@ def _merge_(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
-def _block_backward(dout, q, k, v, lse, delta, scale, diagonal):
+def _block_backward(dout, q, k, v, out, lse, delta, scale, diagonal):
+    if _fused(q):
+        return _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
     p = _scores(q, k, scale, diagonal).sub_(lse.unsqueeze(-1)).exp_()
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p.mul_(torch.matmul(dout, v.transpose(-2, -1)).sub_(delta.unsqueeze(-1)))
@@ -214,8 +234,9 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(ctx.group) if dist.is_initialized() else None
         cp = ring.size if ring else 1
         rank = ring.rank if ring else 0
-        qa, da = q.to(acc), dout.to(acc)
-        delta = (da * out.to(acc)).sum(-1)
+        qa, da = q.to(acc), dout.to(acc).contiguous()
+        oa = out.to(acc)
+        delta = (da * oa).sum(-1)
         dq = torch.zeros_like(qa)
         kv = torch.stack([k, v])
         dkv_in, dkv_works, mine = None, [], None
@@ -228,8 +249,8 @@ class _RingAttention(torch.autograd.Function):
                                                 q.shape[2]):
                 dq_b, dk_b, dv_b = _block_backward(
                     da[:, :, rows], qa[:, :, rows], kv[0][:, :, cols].to(acc),
-                    kv[1][:, :, cols].to(acc), lse[:, :, rows], delta[:, :, rows], ctx.scale,
-                    diagonal)
+                    kv[1][:, :, cols].to(acc), oa[:, :, rows], lse[:, :, rows],
+                    delta[:, :, rows], ctx.scale, diagonal)
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b

@@ -62,6 +62,18 @@ def check_ring_contiguous(ctx):
     parity(ring_attention, "contiguous")
 
 
+def check_ring_matmul_blocks(ctx):
+    """The ring's own matmul blocks (its path off CPU), not torch's fused CPU kernel."""
+    from meshrun.parallel.cp import ring
+
+    ring.use_fused_kernel = False
+    try:
+        parity(ring_attention, "zigzag")
+        parity(ring_attention, "contiguous")
+    finally:
+        ring.use_fused_kernel = True
+
+
 def check_ulysses_zigzag(ctx):
     parity(ulysses_attention, "zigzag")
 
@@ -157,6 +169,7 @@ def check_errors(ctx):
 
 
 if __name__ == "__main__":
-    run_checks([check_ring_zigzag, check_ring_contiguous, check_ulysses_zigzag,
+    run_checks([check_ring_zigzag, check_ring_contiguous, check_ring_matmul_blocks,
+                check_ulysses_zigzag,
                 check_ulysses_contiguous, check_subgroup, check_flat_group,
                 check_char_lm_ddp, check_char_lm_fsdp, check_layouts, check_errors])
