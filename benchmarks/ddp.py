@@ -10,6 +10,21 @@ zero_grad + forward + backward (incl. the gradient all-reduce) + optimizer step.
 ``ru_maxrss`` of each rank at the end, MiB; the table shows the larger of the two ranks.
 Models: an MLP of ~10.5M parameters at batch 32 per rank, and examples/train_char_lm.py's
 CharLM at its default size (batch 16 x 64 tokens per rank).
+
+    .venv/bin/python benchmarks/ddp.py --hooks none fp16 bf16 powersgd [--rank 4]
+
+Communication hooks instead: for each hook, torch's DDP with torch's hook (``none``: torch's
+``allreduce_hook``, so both sides go through a Python hook) beside meshrun's ``ddp`` with
+meshrun's (`meshrun.parallel.comm_hooks`), alternating, as above: step time, and the bytes
+handed to ``all_reduce`` per step (counted by wrapping ``torch.distributed.all_reduce``, which
+both sides' hooks call; mean over the timed steps). PowerSGD: ``matrix_approximation_rank``
+``--rank``, ``start_powerSGD_iter=2`` (the warm-up steps cover the start), torch's other
+defaults on both sides, and every gradient in one bucket on both sides: torch's
+``powerSGD_hook`` issues its P and Q all-reduces from future callbacks (on gloo's threads), so
+with two buckets or more the ranks can issue them in different orders, and gloo aborts
+("Received data size doesn't match expected size. Is there a distributed collective
+mismatch"; 3 of 3 runs on the MLP here). meshrun's issues them on the training thread in bucket
+order, so it runs with any buckets.
 """
 
 import argparse
@@ -25,7 +40,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
-from _common import make_char_lm, report_rank, spawn_ranks  # noqa: E402 - beside this file
+from _common import make_char_lm, print_end, print_start, report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 MODES = ("torch", "meshrun")
 
@@ -48,7 +63,41 @@ def make_mlp():
 MODELS = {"mlp-10M": make_mlp, "char-lm": make_char_lm}
 
 
-def worker(rank, model_name, mode, port, steps, warmup, out_dir):
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+def register_hook(model, mode, hook, rank_r):
+    """torch's hook on torch's DDP, or meshrun's on meshrun's ddp (``hook`` in HOOKS)."""
+    if mode == "torch":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as lib
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    else:
+        from meshrun.parallel import comm_hooks as lib
+        psgd = lib
+    if hook == "powersgd":
+        model.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=rank_r,
+                                                    start_powerSGD_iter=2),
+                                 psgd.powerSGD_hook)
+    else:
+        model.register_comm_hook(None, {"none": lib.allreduce_hook,
+                                        "fp16": lib.fp16_compress_hook,
+                                        "bf16": lib.bf16_compress_hook}[hook])
+
+
+class ByteCounter:
+    """Wraps ``torch.distributed.all_reduce``: ``bytes`` handed to it since the last reset."""
+
+    def __init__(self):
+        self.bytes, self.original = 0, dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            self.bytes += tensor.numel() * tensor.element_size()
+            return self.original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+
+
+def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank_r=4):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -61,24 +110,61 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
 
     torch.manual_seed(0)
     model, batch, loss_fn = MODELS[model_name]()
-    model = DistributedDataParallel(model) if mode == "torch" else ddp(model)
+    if hook == "powersgd":  # one bucket on both sides: see the module docstring
+        import meshrun.parallel.ddp as meshrun_ddp
+
+        meshrun_ddp.DIRECT_MIN_BYTES = 1 << 62
+        one = dict(bucket_cap_mb=100_000)
+        model = DistributedDataParallel(model, **one) if mode == "torch" else \
+            ddp(model, **one, first_bucket_cap_mb=100_000)
+    else:
+        model = DistributedDataParallel(model) if mode == "torch" else ddp(model)
+    counter = None
+    if hook is not None:
+        register_hook(model, mode, hook, rank_r)
+        counter = ByteCounter()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
+    times, sent = [], []
     for step in range(warmup + steps):
         x, y = batch(step, rank)
+        if counter is not None:
+            counter.bytes = 0
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_fn(model, x, y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+        sent.append(counter.bytes if counter is not None else 0)
     n_params = sum(p.numel() for p in model.parameters())
-    report_rank(out_dir, rank, {"times": times[warmup:], "params": n_params})
+    report_rank(out_dir, rank, {"times": times[warmup:], "params": n_params,
+                                "bytes": statistics.mean(sent[warmup:])})
     dist.destroy_process_group()
 
 
 
-def run(model_name, mode, steps, warmup):
-    return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out))
+def run(model_name, mode, steps, warmup, hook=None, rank_r=4):
+    return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out,
+                                                      hook, rank_r))
+
+
+def hook_table(args):
+    """Per model and hook: ms/step and all_reduce bytes/step, torch and meshrun alternating."""
+    print(f"{'model':<9} {'hook':<9} {'torch ms':>9} {'meshrun ms':>11} {'ratio':>7} "
+          f"{'torch MB/step':>14} {'meshrun MB/step':>16} {'ratio':>7}")
+    for model_name in args.models:
+        for hook in args.hooks:
+            times = {m: [] for m in MODES}
+            sent = {m: 0.0 for m in MODES}
+            for _ in range(args.rounds):
+                for mode in MODES:
+                    ranks = run(model_name, mode, args.steps, args.warmup, hook, args.rank)
+                    times[mode] += ranks[0]["times"]
+                    sent[mode] = ranks[0]["bytes"] / 1e6
+            ms = {m: 1000 * statistics.median(times[m]) for m in MODES}
+            print(f"{model_name:<9} {hook:<9} {ms['torch']:>9.1f} {ms['meshrun']:>11.1f} "
+                  f"{ms['meshrun'] / ms['torch']:>6.3f}x {sent['torch']:>14.3f} "
+                  f"{sent['meshrun']:>16.3f} {sent['meshrun'] / sent['torch']:>6.3f}x",
+                  flush=True)
 
 
 def main():
@@ -87,8 +173,17 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--hooks", nargs="+", choices=HOOKS, default=None,
+                   help="instead: the communication hook table, these hooks")
+    p.add_argument("--rank", type=int, default=4, help="with --hooks: PowerSGD's "
+                   "matrix_approximation_rank")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.hooks:
+        began = print_start()
+        hook_table(args)
+        print_end(began)
+        return
 
     print(f"{'model':<9} {'params':>7} {'mode':<8} {'ms/step':>8} {'peak RSS MiB':>13}")
     for model_name in args.models:
