@@ -25,6 +25,9 @@ Parallelism: ``--pp P --tp T --cp C --dp D`` lay the world out as one mesh
 - data parallelism over D ranks, ``--dp-mode``: ``ddp`` (default, ``meshrun.parallel.ddp``),
   ``fsdp`` (``meshrun.parallel.fully_shard`` on each block, then the rest: ZeRO-3) or ``torch-ddp`` (torch's ``DistributedDataParallel``, the
   reference; pure data parallelism only). ``--parallel ddp|fsdp|torch-ddp`` = ``--dp-mode``.
+  With ``ddp``, ``--comm-hook fp16|bf16|powersgd`` reduces gradients through that
+  communication hook (``meshrun.parallel.comm_hooks``; PowerSGD at ``--powersgd-rank`` from
+  step ``--powersgd-start``, its state saved in the checkpoint).
 
 Data and batch (the rule that keeps training the same across a resize): the text is cut into
 non-overlapping windows of ``--block-size`` + 1 characters; each epoch visits all of them once,
@@ -104,6 +107,13 @@ def parse_args(argv=None):
     p.add_argument("--dp-mode", choices=DP_MODES, default="ddp")
     p.add_argument("--parallel", choices=DP_MODES + ("tp", "pp"), default=None,
                    help="shorthand for --dp-mode, or tp: --tp <world size>, pp: --pp <world size>")
+    p.add_argument("--comm-hook", choices=("none", "fp16", "bf16", "powersgd"),
+                   default="none", help="with --dp-mode ddp: the gradient communication hook "
+                   "(fp16/bf16: all-reduce in half precision; powersgd: low-rank, error feedback)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="with --comm-hook powersgd: "
+                   "matrix_approximation_rank")
+    p.add_argument("--powersgd-start", type=int, default=10, help="with --comm-hook powersgd: "
+                   "start_powerSGD_iter (plain all-reduce for the first steps)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: "
                    "world size / (pp x cp x tp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron-style)")
@@ -156,7 +166,8 @@ def checkpoint_state(par, optimizer, step, position, global_batch):
     return {"model": checkpoint.model_state(par.lm, params=mine),
             "optim": checkpoint.optimizer_state(optimizer, par.lm, params=mine),
             "step": step, "data": {"position": position, "global_batch": global_batch},
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(),
+            **{f"comm_hook{i}": hook for i, hook in enumerate(par.hook_states)}}
 
 
 def save_checkpoint(ckpt_dir, state, step, keep=2, background=False):

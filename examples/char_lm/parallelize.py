@@ -4,7 +4,7 @@ context parallel attention, then the pipeline split, then data parallelism), and
 0 what it applied; `forward_backward` and `clip_gradients` are one step's parallel parts."""
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ class Parallel:
     dp_size: int
     cp_rank: int = 0
     cp_size: int = 1
+    hook_states: list = field(default_factory=list)  # stateful comm hooks' (checkpointed)
 
     def shard(self, x, y):
         """A microbatch's model inputs: ``(x, y, positions)``; under --cp this rank's part of
@@ -104,16 +105,26 @@ def parallelize_lm(model, args):
                        f"{args.pp_microbatches} microbatches)")
     if dp * cp > 1:  # per stage: the pipeline switches gradient sync per stage module
         group = mesh.group(("dp", "cp")) if cp > 1 else mesh.group("dp")
+        hook_states = []
         for module in stages:
-            (apply_fsdp if args.dp_mode == "fsdp" else apply_ddp)(module, group)
+            if args.dp_mode == "fsdp":
+                apply_fsdp(module, group)
+            else:
+                apply_ddp(module, group)
+                hook_states += apply_comm_hook(module, group, args)
         over = f"dp {dp} x cp {cp}" if cp > 1 else f"dp {dp}"
         applied.append(f"{args.dp_mode} over {over}" + (" (a unit per block, then the rest)"
                                                         if args.dp_mode == "fsdp" else ""))
+        if args.comm_hook != "none":
+            applied.append(f"comm hook {args.comm_hook}" + (
+                f" (rank {args.powersgd_rank} from step {args.powersgd_start})"
+                if args.comm_hook == "powersgd" else ""))
     _say(f"parallelize: mesh {dict(zip(mesh.axes, (pp, dp, cp, tp), strict=True))}: "
          + ("; ".join(applied) or "nothing to apply"))
     return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
                     schedule=schedule, mesh=mesh, dp_rank=mesh.rank("dp"), dp_size=dp,
-                    cp_rank=mesh.rank("cp"), cp_size=cp)
+                    cp_rank=mesh.rank("cp"), cp_size=cp,
+                    hook_states=hook_states if dp * cp > 1 else [])
 
 
 def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
@@ -136,6 +147,9 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
             return problem
     if args.sequence_parallel and tp == 1:
         return "--sequence-parallel needs --tp > 1"
+    if getattr(args, "comm_hook", "none") != "none" and args.dp_mode != "ddp":
+        return (f"--comm-hook {args.comm_hook} is a hook of meshrun's ddp: use it with "
+                f"--dp-mode ddp (not {args.dp_mode})")
     if args.dp_mode == "torch-ddp" and world_size > 1 and (pp > 1 or tp > 1):
         return ("--dp-mode torch-ddp (torch's DistributedDataParallel, the reference) is for "
                 "pure data parallelism; with --pp or --tp use --dp-mode ddp or fsdp")
@@ -194,6 +208,21 @@ def apply_ddp(module, group):
     from meshrun.parallel import ddp
 
     ddp(module, group)
+
+
+def apply_comm_hook(module, group, args):
+    """``--comm-hook`` on a module under ``ddp``; the hook's state in a list (PowerSGD's, for
+    the checkpoint), or an empty one."""
+    from meshrun.parallel import comm_hooks
+
+    if args.comm_hook == "powersgd":
+        state = comm_hooks.PowerSGDState(group, matrix_approximation_rank=args.powersgd_rank,
+                                         start_powerSGD_iter=args.powersgd_start)
+        module.register_comm_hook(state, comm_hooks.powerSGD_hook)
+        return [state]
+    if args.comm_hook in ("fp16", "bf16"):
+        module.register_comm_hook(group, getattr(comm_hooks, f"{args.comm_hook}_compress_hook"))
+    return []
 
 
 def apply_fsdp(module, group):
