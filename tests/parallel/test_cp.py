@@ -2,7 +2,8 @@
 Ulysses attention against full attention in one process (output, dq, dk, dv), causal and not,
 zigzag and contiguous layouts, float32 and float64; a cp group inside a dp x cp mesh and the
 flattened dp x cp group; the example's CharLM with --cp under ddp and fsdp (and tp x cp, dp x cp
-on 4 ranks) against the unsplit model (loss, gradients, parameters, clip norm); the layouts;
+on 4 ranks) against the unsplit model (loss, gradients, parameters, clip norm); SDPA calls
+routed by context_parallel_attention; the layouts;
 the refusals. One launch per world size runs every check in workers/cp_checks.py.
 """
 
@@ -12,7 +13,7 @@ from harness import launch
 CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ring_matmul_blocks",
           "check_ulysses_zigzag",
           "check_ulysses_contiguous", "check_subgroup", "check_flat_group", "check_char_lm_ddp",
-          "check_char_lm_fsdp", "check_layouts", "check_errors"]
+          "check_char_lm_fsdp", "check_sdpa_routing", "check_layouts", "check_errors"]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])

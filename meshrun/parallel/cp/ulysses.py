@@ -28,6 +28,8 @@ from meshrun.parallel._comm import launched, wait
 from meshrun.parallel.cp.layout import chunks_of
 from meshrun.parallel.cp.ring import check_attention_inputs
 
+_SDPA = F.scaled_dot_product_attention  # torch's, also inside context_parallel_attention
+
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       group: dist.ProcessGroup | None = None, *, causal: bool = False,
@@ -59,10 +61,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              f"context-parallel degree {cp} does not divide; use "
                              f"ring_attention (any head count) or a cp that divides the heads")
     if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return _SDPA(q, k, v, is_causal=causal, scale=scale)
     order = _position_order(cp, layout)
     q, k, v = (_to_positions(_SeqToHeads.apply(t, group), order) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    y = _SDPA(q, k, v, is_causal=causal, scale=scale)
     return _HeadsToSeq.apply(_from_positions(y, order), group)
 
 

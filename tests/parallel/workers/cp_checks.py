@@ -6,12 +6,16 @@ shard in the layout, and its output and its dq/dk/dv must equal this rank's shar
 reference's (norm-relative error <= 1e-5 in float32, 1e-10 in float64), causal and not.
 """
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.parallel import Mesh
 from meshrun.parallel.cp import (
+    context_parallel_attention,
     position_ids,
     ring_attention,
     shard_sequence,
@@ -20,7 +24,10 @@ from meshrun.parallel.cp import (
 )
 from tests.parallel.harness import run_checks
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+
 B, H, D = 2, 4, 8
+SDPA = F.scaled_dot_product_attention  # the reference, also inside context_parallel_attention
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
@@ -38,7 +45,7 @@ def parity(attention, layout, group=None, seq=32, seed=0, heads=H):
             q, k, v, dout = (torch.randn(B, heads, seq, D, generator=gen, dtype=dtype)
                              for _ in range(4))
             full = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+            ref = SDPA(*full, is_causal=causal)
             ref.backward(dout)
             mine = [shard_sequence(t, rank, cp, layout, dim=2).requires_grad_()
                     for t in (q, k, v)]
@@ -125,6 +132,25 @@ def check_char_lm_fsdp(ctx):
         model_parity(pp=1, tp=1, dp=1, mode="fsdp", cp=2, cp_mode="ulysses")
 
 
+def check_sdpa_routing(ctx):
+    """Inside context_parallel_attention, F.scaled_dot_product_attention on shards is CP
+    attention (parity with full SDPA, through the example model's own SDPA call site);
+    outside, it is torch's again."""
+    import char_lm.model as model
+
+    def through_sdpa(q, k, v, group, *, causal, layout):
+        assert F.scaled_dot_product_attention is not SDPA
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal) if not causal \
+            else model.causal_attention(q, k, v)
+
+    for mode in ("ring", "ulysses"):
+        for layout in ("zigzag", "contiguous"):
+            with context_parallel_attention(mode=mode, layout=layout):
+                parity(through_sdpa, layout)
+            assert F.scaled_dot_product_attention is SDPA
+    expect_error(lambda: context_parallel_attention(mode="striped").__enter__(), "ring")
+
+
 def check_layouts(ctx):
     """The zigzag of 8 tokens over 2 ranks by hand; shard / unshard round trips."""
     assert position_ids(8, 0, 2).tolist() == [0, 1, 6, 7]
@@ -172,4 +198,4 @@ if __name__ == "__main__":
     run_checks([check_ring_zigzag, check_ring_contiguous, check_ring_matmul_blocks,
                 check_ulysses_zigzag,
                 check_ulysses_contiguous, check_subgroup, check_flat_group,
-                check_char_lm_ddp, check_char_lm_fsdp, check_layouts, check_errors])
+                check_char_lm_ddp, check_char_lm_fsdp, check_sdpa_routing, check_layouts, check_errors])
