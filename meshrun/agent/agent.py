@@ -43,11 +43,13 @@ from pathlib import Path
 
 from meshrun import exit_guard
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
+from meshrun.agent.collectives import RECORD_ENV, RECORD_FILE, read_record, record_env, summary
 from meshrun.agent.config import LaunchConfig, Std
 from meshrun.agent.errors import (
     WorkerFailure,
     culprits,
     describe_place,
+    disagreement,
     format_report,
     root_cause,
 )
@@ -502,6 +504,9 @@ class Agent:
             say(f"hang: likely cause {named} ({why}); waiting: ranks {_ranges(waiting)}")
         else:
             say(f"rank {first.global_rank} {first.message}" + (f" ({why})" if why else ""))
+        found = disagreement(records)
+        if found is not None:
+            say(f"hang: collectives: {found.line}")
         self._raise_if_signalled()  # collecting stacks takes up to seconds: a signal may come
         self._failed_round = True
         self._stacks_taken = True
@@ -558,6 +563,7 @@ class Agent:
                 collectives=_comparable_count(progress, stack.main),
                 stack_path=stack.path,
                 stack_problem=stack.problem,
+                calls=summary(read_record(spec.log_dir / RECORD_FILE)),
             ))  # fmt: skip
         return records
 
@@ -656,6 +662,7 @@ class Agent:
         log_dir = attempt_dir / str(local_rank)
         env = worker_env(c, info, local_rank, error_file=log_dir / "error.json")
         env.update(progress_env(log_dir))
+        env.update(record_env(log_dir))
         args = tuple(a.replace("${local_rank}", str(local_rank)) for a in c.args)
         shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
         redirect, tee = c.redirects.for_rank(local_rank), c.tee.for_rank(local_rank)
@@ -1054,7 +1061,11 @@ def worker_env(
     )
     if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
-    if env.get(exit_guard.OFF_ENV) != "0":  # torch's teardown must not fail a finished script
+    if config.desync_check:  # torch's fingerprint check before every collective
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    # the exit guard (torch's teardown must not fail a finished script) and the collective
+    # record start from the worker site
+    if env.get(exit_guard.OFF_ENV) != "0" or env.get(RECORD_ENV) != "0":
         env["PYTHONPATH"] = os.pathsep.join([WORKER_SITE, *_path_entries(env.get("PYTHONPATH"))])
     if config.virtual_local_rank:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -1064,8 +1075,9 @@ def worker_env(
     return env
 
 
-# Leads every worker's PYTHONPATH: its sitecustomize installs `meshrun.exit_guard`, then runs
-# the script's own sitecustomize, if any.
+# Leads every worker's PYTHONPATH: its sitecustomize installs `meshrun.exit_guard` and starts
+# the collective record (`meshrun.agent.collectives`), then runs the script's own
+# sitecustomize, if any.
 WORKER_SITE = str(Path(__file__).resolve().parent / "worker_site")
 
 

@@ -103,3 +103,4 @@ class LaunchConfig:
 
     # -- meshrun's own ---------------------------------------------------------------------
     hang_timeout: float | None = None
+    desync_check: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL in the workers

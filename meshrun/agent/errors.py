@@ -30,13 +30,15 @@ import os
 import signal
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "PUBLISHED_MAX_BYTES",
     "WorkerFailure",
     "cut_middle",
     "culprits",
+    "desync_report",
+    "disagreement",
     "format_places",
     "format_report",
     "read_error_file",
@@ -106,6 +108,8 @@ class WorkerFailure:
     #: The rank's full stack in its log directory ("" when none was taken), or why not.
     stack_path: str = ""
     stack_problem: str = ""
+    #: Its recent collectives (`meshrun.agent.collectives.summary`; {} when not recorded).
+    calls: dict = field(default_factory=dict)
 
     @property
     def signal_name(self) -> str | None:
@@ -251,6 +255,7 @@ def culprits(failures: Iterable[WorkerFailure]) -> tuple[list[int], str]:
     ``torch.distributed`` collective frame) counts as waiting."""
     from meshrun.agent.stacks import Whereabouts, attribute, classify, traceback_frames
 
+    failures = list(failures)
     places: dict[int, tuple[Whereabouts, int | None]] = {}
     for f in failures:
         if f.state:
@@ -262,7 +267,56 @@ def culprits(failures: Iterable[WorkerFailure]) -> tuple[list[int], str]:
         else:
             continue
         places.setdefault(f.global_rank, (where, f.collectives if f.collectives >= 0 else None))
-    return attribute(places)
+    blamed, why = attribute(places)
+    if blamed and why.startswith("outside"):
+        return blamed, why
+    found = disagreement(failures)
+    if found is None or not found.culprits or list(found.culprits) == blamed:
+        return blamed, why
+    # the record's call numbers beat meshrun.parallel's counts and the stacks' op names
+    if "never reached" in found.line:
+        return list(found.culprits), "behind the others in collectives issued"
+    return list(found.culprits), "in a different collective from the others"
+
+
+def desync_report(failures: Iterable[WorkerFailure]) -> str:
+    """The calls the ranks made when torch's fingerprint check (``--desync-check``) failed,
+    each with its call site, in one line; "" when no rank failed that check."""
+    from meshrun.agent.collectives import desync_call, desync_line
+    from meshrun.agent.stacks import classify, traceback_frames
+
+    calls, sites = {}, {}
+    for f in failures:
+        found = desync_call(f.message) or desync_call(f.traceback)
+        if found is None:
+            continue
+        rank, call = found
+        calls[rank] = call
+        at = classify(traceback_frames(f.traceback)).at
+        if at and not at.startswith("unknown"):
+            sites[rank] = at.split(" (inside ")[0]
+    return desync_line(calls, sites) if calls else ""
+
+
+def disagreement(failures: Iterable[WorkerFailure]):
+    """The first collective the ranks of ``failures`` disagree on, from their records
+    (`meshrun.agent.collectives.first_disagreement`), or None. The place of a rank that waits
+    (or died) inside a collective (its stack's innermost own frame, or its traceback's) is
+    shown beside its latest call."""
+    from meshrun.agent.collectives import first_disagreement, from_summary
+    from meshrun.agent.stacks import Whereabouts, classify, traceback_frames
+
+    records, sites = {}, {}
+    for f in failures:
+        record = from_summary(f.calls)
+        if record is None or f.global_rank in records:
+            continue
+        records[f.global_rank] = record
+        where = Whereabouts(f.state, f.collective, f.at) if f.state else (
+            classify(traceback_frames(f.traceback)))  # fmt: skip
+        if where.state == "waiting" and where.at:
+            sites[f.global_rank] = where.at.split(" (inside ")[0]
+    return first_disagreement(records, sites) if len(records) > 1 else None
 
 
 def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: job failed") -> str:
@@ -283,6 +337,8 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
     """
     if not failures:
         raise ValueError("format_report: no failures given")
+    from meshrun.agent.stacks import classify, traceback_frames
+
     first = root_cause(failures)
     blamed, why = culprits(failures)
     own = [f for f in sorted(failures, key=_order) if not f.stopped and f is not first]
@@ -327,7 +383,8 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         ranks = ", ".join(str(f.global_rank) for f in elsewhere)
         lines.append(f"Likely cause: rank {ranks}, {why}:")
         for f in elsewhere:
-            lines.append(f"  rank {f.global_rank} ({_where(f)}) at {f.at or '?'}")
+            at = f.at or (classify(traceback_frames(f.traceback)).at if f.traceback else "?")
+            lines.append(f"  rank {f.global_rank} ({_where(f)}) at {at}")
     if others:
         lines.append(f"Other failures ({len(others)}), in order observed:")
         for f in others:
@@ -338,10 +395,16 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
                 f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {f.describe_exit()}"
                 f" at +{delta} ms{note}{log}"
             )
+    found = disagreement(failures)
+    if found is not None:
+        lines.append(f"Collectives: {found.line}")
+    desync = desync_report(failures)
+    if desync:
+        lines.append(f"Desync: {desync}")
     if stopped:
         lines.append(f"Stopped ranks ({len(stopped)}), where each was:")
         lines.extend(format_places(stopped, blamed))
-    elif blamed == [] and why:
+    elif blamed == [] and why and found is None and not desync:
         lines.append(f"Note: {why}")
     lines.append(rule)
     return "\n".join(lines)
@@ -390,6 +453,11 @@ def _place_lines(f: WorkerFailure, blamed: bool) -> list[str]:
         place = f"LIKELY CAUSE, {place}"
     head = f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {place}"
     lines = [head + (f" at {f.at}" if f.at else "")]
+    from meshrun.agent.collectives import describe_recent, from_summary
+
+    recent = describe_recent(from_summary(f.calls))
+    if recent:
+        lines.append(f"    last collectives: {recent}")
     if f.stack_path:
         lines.append(f"    full stack: {f.stack_path}")
     elif f.stack_problem:

@@ -43,6 +43,7 @@ from typing import BinaryIO
 
 import psutil
 
+from meshrun.agent.collectives import RECORD_FILE, read_record, summary
 from meshrun.agent.errors import WorkerFailure, read_error_file
 from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
 from meshrun.agent.ptys import open_pty, set_size, terminal_size
@@ -615,6 +616,7 @@ class _Worker:
             stdout_path=str(Path(spec.log_dir) / "stdout.log"),
             stderr_path=str(Path(spec.log_dir) / "stderr.log"),
             source=source,
+            calls=summary(read_record(Path(spec.log_dir) / RECORD_FILE)),
         )
 
 

@@ -219,6 +219,7 @@ def build_config_and_notes(
         ),
         virtual_local_rank=flag("virtual_local_rank"),
         raw_console=flag("raw_console"),
+        desync_check=flag("desync_check"),
         hang_timeout=hang_timeout,
     )
     return config, notes

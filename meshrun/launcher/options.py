@@ -129,6 +129,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
     _opt("hang_timeout", group=SUPERVISION, pet=False, metavar="SECONDS",
          help="meshrun's own: stop the group as hung (exit 124) when no worker has made "
               "progress for this long. Default: off."),
+    _opt("desync_check", group=SUPERVISION, pet=False, is_flag=True, default=False,
+         env=("MESHRUN_DESYNC_CHECK",),
+         help="meshrun's own: before each collective the ranks compare what they call (op, "
+              "shapes, dtypes; torch's TORCH_DISTRIBUTED_DEBUG=DETAIL), so a rank that calls "
+              "another collective fails at once, naming both calls, instead of hanging. "
+              "Costs one small all-gather per collective. Default: off."),
     # -- output -----------------------------------------------------------------------------
     _opt("log_dir", group=OUTPUT, metavar="DIR",
          help="Where per-rank logs go (<run id>/<host>_<agent pid>/attempt_<round>/<local rank>/). Default: a temporary "

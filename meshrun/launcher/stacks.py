@@ -130,6 +130,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
 def _from_log_dirs(log_dirs: list[Path]) -> int:
     import psutil
 
+    from meshrun.agent.collectives import RECORD_FILE, read_record, summary
     from meshrun.agent.errors import WorkerFailure
     from meshrun.agent.events import EVENT_FILE
     from meshrun.agent.hang import progress_env, read_progress
@@ -177,6 +178,7 @@ def _from_log_dirs(log_dirs: list[Path]) -> int:
             node_rank=e.get("node_rank", 0), traceback=stack.text, source="stack", stopped=True,
             state=where.state, collective=where.collective, at=where.at,
             stack_path=stack.path, stack_problem=stack.problem,
+            calls=summary(read_record(d / RECORD_FILE)),
         ))  # fmt: skip
     _print(f"{len(files)} agent log(s)", records, [], 0)
     return 0
@@ -214,15 +216,18 @@ def _running_workers(path: Path) -> list[tuple[int, dict]]:
 
 
 def _print(title: str, records: list, silent: list[str], timeout: float) -> None:
-    from meshrun.agent.errors import culprits, format_places
+    from meshrun.agent.errors import culprits, disagreement, format_places
 
     records = sorted(records, key=lambda f: f.global_rank)
     blamed, why = culprits(records)
+    found = disagreement(records)
     click.echo(f"{title}: {len(records)} rank(s), stacks taken at {time.strftime('%H:%M:%S')}")
     if blamed:
         click.echo(f"likely cause: rank {', '.join(map(str, blamed))} ({why})")
-    elif why:
+    elif why and found is None:
         click.echo(f"note: {why}")
+    if found is not None:
+        click.echo(f"collectives: {found.line}")
     for line in format_places(records, blamed):
         click.echo(line)
     for who in silent:

@@ -46,6 +46,14 @@ def all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def group_device(group) -> torch.device:
+    """The device a collective over ``group`` takes tensors on: this rank's CUDA device for
+    nccl, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def launched(work: dist.Work) -> dist.Work:
     """Count one issued async collective (or send/recv); returns ``work``."""
     note_issued()

@@ -34,7 +34,7 @@ def test_a_finished_gloo_script_exits_zero_every_time(launch):
 
 def _probe(launch, tmp_path: Path, **env: str) -> dict:
     user_site = tmp_path / "user_site"
-    user_site.mkdir()
+    user_site.mkdir(exist_ok=True)
     (user_site / "sitecustomize.py").write_text(
         "import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
     result = launch.run([str(SCRIPTS / "site_probe.py")], timeout=30,
@@ -58,6 +58,10 @@ def test_workers_keep_their_own_sitecustomize_and_path(launch, tmp_path):
 @pytest.mark.timeout(60)
 def test_the_guard_can_be_turned_off(launch, tmp_path):
     probe = _probe(launch, tmp_path, MESHRUN_EXIT_GUARD="0")
+    assert probe["guard"] is False and probe["user_site_ran"] is True
+    # the worker site still starts the collective record; with that off too, it is not there
+    assert probe["pythonpath"].split(os.pathsep)[0] == WORKER_SITE, probe["pythonpath"]
+    probe = _probe(launch, tmp_path, MESHRUN_EXIT_GUARD="0", MESHRUN_COLLECTIVE_RECORD="0")
     assert probe["guard"] is False and probe["user_site_ran"] is True
     assert WORKER_SITE not in probe["pythonpath"].split(os.pathsep), probe["pythonpath"]
 

@@ -170,3 +170,9 @@ def test_a_rank_in_a_different_collective_is_named_the_culprit(launch):
     report = err[err.index("Root cause") :]
     assert "  rank       : 1 (local rank 1)" in report
     assert report.count("waiting in all_reduce") == 2
+    # the collective record (issue 27): the call number both sides are at
+    calls = re.search(r"hang: collectives: in group 0, rank 1 is at broadcast #(\d+) \(float\[1\]\) "
+                      r"at \S+mismatch.py:\d+ in <module> while ranks 0, 2 are at all_reduce "
+                      r"#(\d+) \(float\[1\]\)", err)  # fmt: skip
+    assert calls and calls[1] == calls[2], err
+    assert re.search(r"last collectives: .*all_reduce #\d+ \(in progress\)", report), report

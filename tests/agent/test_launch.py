@@ -41,6 +41,9 @@ CONTRACT = {
     "MESHRUN_PROGRESS_FILE",
     "MESHRUN_STACK_FILE",
     "MESHRUN_STACK_SIGNAL",
+    # torch's flight recorder, for the collective record (meshrun.agent.collectives); the
+    # record's own MESHRUN_COLLECTIVE_RECORD is taken out of the environment at start-up
+    "TORCH_FR_BUFFER_SIZE",
 }
 
 
@@ -73,7 +76,7 @@ def check_contract(
         # itself (e.g. TORCH_CPP_LOG_LEVEL for its own store) leaks to the workers
         assert set(env) - set(launch_env) == CONTRACT, sorted(set(env) - set(launch_env))
         changed = {k for k in launch_env if k not in CONTRACT and env.get(k) != launch_env[k]}
-        # ...but PYTHONPATH, led by the folder of meshrun's exit guard (meshrun.exit_guard)
+        # ...but PYTHONPATH, led by the worker site (meshrun's exit guard and collective record)
         assert env["PYTHONPATH"] == os.pathsep.join([WORKER_SITE, launch_env["PYTHONPATH"]])
         assert changed <= {"PYTHONPATH"}, {k: (launch_env[k], env.get(k)) for k in changed}
         node, local = divmod(rank, nproc)

@@ -14,7 +14,7 @@ from meshrun.launcher.options import BY_NAME, NUMA_MODES, OPTIONS, START_METHODS
 run = pytest.importorskip("torch.distributed.run")
 pytestmark = pytest.mark.timeout(60)
 
-MESHRUN_OWN = {"hang_timeout", "log_line_prefix_template", "log_max_bytes", "raw_console",
+MESHRUN_OWN = {"hang_timeout", "desync_check", "log_line_prefix_template", "log_max_bytes", "raw_console",
                "print_completion"}  # the last: torchrun's own from 2.14 on
 # Defaults that differ on purpose: None means "not given" and lets the rendezvous decide.
 DIFFERENT_DEFAULT = {"node_rank"}

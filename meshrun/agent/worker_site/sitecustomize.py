@@ -3,7 +3,9 @@
 1. Installs `meshrun.exit_guard` (loaded by path: the worker's interpreter need not have
    meshrun installed, and the ``meshrun`` package is not imported), so a script that finished
    its work is not killed by torch's native threads at interpreter exit.
-2. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
+2. Starts the collective record's thread (`meshrun.agent.collectives.Recorder`, loaded the
+   same way) when the agent asked for it (``MESHRUN_COLLECTIVE_RECORD``).
+3. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
    have run without it (the next one on ``sys.path``), so the script sees the path and the
    start-up it would see under torchrun.
 
@@ -17,18 +19,34 @@ import os
 import sys
 
 
+def _meshrun_load(name: str, path: str):
+    """Load one of meshrun's standard-library-only modules by path (the ``meshrun`` package is
+    not imported); None, with one line on stderr, when that fails (the worker runs on)."""
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    except Exception as e:
+        sys.modules.pop(name, None)
+        what = os.path.basename(path)
+        print(f"meshrun: {what} not loaded ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
 def _meshrun_worker_site() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
-    guard_file = os.path.join(os.path.dirname(os.path.dirname(here)), "exit_guard.py")
-    try:
-        spec = importlib.util.spec_from_file_location("_meshrun_exit_guard", guard_file)
-        guard = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = guard
-        spec.loader.exec_module(guard)
-        guard.install()
-    except Exception as e:  # the worker runs on without the guard
-        sys.modules.pop("_meshrun_exit_guard", None)
-        print(f"meshrun: exit guard not installed ({type(e).__name__}: {e})", file=sys.stderr)
+    agent_dir = os.path.dirname(here)
+    if os.environ.get("MESHRUN_EXIT_GUARD") != "0":
+        guard_file = os.path.join(os.path.dirname(agent_dir), "exit_guard.py")
+        guard = _meshrun_load("_meshrun_exit_guard", guard_file)
+        if guard is not None:
+            guard.install()
+    if os.environ.get("MESHRUN_COLLECTIVE_RECORD", "0") != "0":
+        record = _meshrun_load("_meshrun_collectives", os.path.join(agent_dir, "collectives.py"))
+        if record is not None:
+            record.start_recorder_from_env()
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
     if spec is None or spec.loader is None:
@@ -39,4 +57,4 @@ def _meshrun_worker_site() -> None:
 
 
 _meshrun_worker_site()
-del _meshrun_worker_site
+del _meshrun_worker_site  # _meshrun_load stays: the worker site's functions call it

@@ -49,7 +49,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from meshrun.parallel._comm import all_gather_flat, all_reduce_, reduce_scatter_flat, wait
+from meshrun.parallel._comm import (
+    all_gather_flat,
+    all_reduce_,
+    group_device,
+    reduce_scatter_flat,
+    wait,
+)
+from meshrun.parallel.data_check import check_first_input
 from meshrun.parallel.fsdp.layout import ShardLayout
 from meshrun.parallel.heartbeat import heartbeat
 
@@ -100,6 +107,7 @@ class Root:
         self.pending: list[tuple[Unit, dist.Work, torch.Tensor, torch.Tensor]] = []
         self.in_forward = False
         self.in_backward = False
+        self.inputs_checked = False  # the data check's once (`meshrun.parallel.data_check`)
 
     def begin_forward(self) -> None:
         if self.in_backward:  # a backward that raised never reached finish_backward: forget it
@@ -269,6 +277,9 @@ class Unit:
         root = self._lazy_init()
         if root.owner is self:
             root.begin_forward()
+            if not root.inputs_checked and torch.is_grad_enabled():  # before any gather
+                root.inputs_checked = True
+                check_first_input(args, self.group, group_device(self.group))
         if root.in_forward:  # else: a unit called on its own, outside its root's forward
             root.order.append(self)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:

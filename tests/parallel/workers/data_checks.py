@@ -1,7 +1,7 @@
-"""Data that was never sharded. Usage: data_checks.py MODE, with MODE
+"""Data that was never sharded. Usage: data_checks.py MODE [ddp|fsdp], with MODE
 "same" (every rank the same batch), "sharded" (each rank its own batch, then a sampler with
 set_epoch each epoch) or "no-set-epoch" (a shuffling DistributedSampler iterated twice without
-set_epoch)."""
+set_epoch); the model is wrapped by ddp (default) or fully_shard."""
 
 import os
 import sys
@@ -13,9 +13,10 @@ from torch.utils.data.distributed import DistributedSampler
 import meshrun.parallel as mp
 
 mode = sys.argv[1]
+wrap = mp.fully_shard if sys.argv[2:] == ["fsdp"] else mp.ddp
 ctx = mp.init()
 torch.manual_seed(0)
-model = mp.ddp(torch.nn.Linear(4, 1))
+model = wrap(torch.nn.Linear(4, 1))
 data = TensorDataset(torch.arange(64, dtype=torch.float32).reshape(16, 4))
 if mode in ("same", "sharded"):
     seed = 0 if mode == "same" else 1 + ctx.rank
