@@ -19,7 +19,9 @@ meshrun's (`meshrun.parallel.comm_hooks`), alternating, as above: step time, and
 handed to ``all_reduce`` per step (counted by wrapping ``torch.distributed.all_reduce``, which
 both sides' hooks call; mean over the timed steps). PowerSGD: ``matrix_approximation_rank``
 ``--rank``, ``start_powerSGD_iter=2`` (the warm-up steps cover the start), torch's other
-defaults on both sides, and every gradient in one bucket on both sides: torch's
+defaults on both sides. torch's ``bf16_compress_hook`` refuses gloo (it needs NCCL or XCCL),
+so torch's ``fp16_compress_hook`` stands in for it (same bytes, same casts). PowerSGD runs with
+every gradient in one bucket on both sides: torch's
 ``powerSGD_hook`` issues its P and Q all-reduces from future callbacks (on gloo's threads), so
 with two buckets or more the ranks can issue them in different orders, and gloo aborts
 ("Received data size doesn't match expected size. Is there a distributed collective
@@ -79,6 +81,8 @@ def register_hook(model, mode, hook, rank_r):
                                                     start_powerSGD_iter=2),
                                  psgd.powerSGD_hook)
     else:
+        if mode == "torch" and hook == "bf16":  # torch's needs NCCL or XCCL: the nearest
+            hook = "fp16"  # (same bytes, same casts) stands in; the table says so
         model.register_comm_hook(None, {"none": lib.allreduce_hook,
                                         "fp16": lib.fp16_compress_hook,
                                         "bf16": lib.bf16_compress_hook}[hook])
@@ -161,7 +165,8 @@ def hook_table(args):
                     times[mode] += ranks[0]["times"]
                     sent[mode] = ranks[0]["bytes"] / 1e6
             ms = {m: 1000 * statistics.median(times[m]) for m in MODES}
-            print(f"{model_name:<9} {hook:<9} {ms['torch']:>9.1f} {ms['meshrun']:>11.1f} "
+            label = "bf16 (1)" if hook == "bf16" else hook
+            print(f"{model_name:<9} {label:<9} {ms['torch']:>9.1f} {ms['meshrun']:>11.1f} "
                   f"{ms['meshrun'] / ms['torch']:>6.3f}x {sent['torch']:>14.3f} "
                   f"{sent['meshrun']:>16.3f} {sent['meshrun'] / sent['torch']:>6.3f}x",
                   flush=True)
@@ -182,6 +187,9 @@ def main():
     if args.hooks:
         began = print_start()
         hook_table(args)
+        if "bf16" in args.hooks:
+            print("(1) torch's bf16_compress_hook needs NCCL or XCCL; on gloo its "
+                  "fp16_compress_hook (the same bytes and casts) is the torch column")
         print_end(began)
         return
 
