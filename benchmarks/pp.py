@@ -4,7 +4,12 @@
                                       [--width 512] [--blocks 16] [--batch 1024]
 
 Same model, same split, same data, 2 ranks on gloo (CPU, one thread per rank), for GPipe,
-1F1B (2 stages) and interleaved 1F1B (4 stages, 2 per rank), m = 4 microbatches. The model
+1F1B (2 stages) and interleaved 1F1B (4 stages, 2 per rank), m = 4 microbatches, and the
+zero-bubble schedules (backward split into B, the input gradient, and W, the weight
+gradient): ZB-H1 (2 stages) against torch's ``ScheduleInterleavedZeroBubble`` with one stage
+per rank (torch has no class named ZB-H1; with one stage per rank its action lists are
+ZB-H1's, which the benchmark checks), and ZB-V (4 stages in a V) against torch's
+``ScheduleZBVZeroBubble`` (same action lists, also checked). The model
 is balanced: ``--blocks`` equal residual MLP blocks of ``--width`` and nothing else (input
 and target are as wide, the loss is a mean squared error), so stage s of S holds blocks
 [n s / S, n (s + 1) / S) and every stage costs the same, as the formulas assume.
@@ -16,7 +21,11 @@ machine hits both. Per step, after a barrier, each rank times ``schedule.step`` 
 forward and backward of its stage modules, timed from inside (a wrapper module and two
 identity autograd functions at its input and output), identically for both libraries. The
 k-th forward (backward) of a stage in a step is microbatch k's: both libraries run a stage's
-microbatches in order.
+microbatches in order. A split backward does not pass through those identities in two clean
+pieces (stage 0's B computes nothing and its W is the whole backward), so for the
+zero-bubble schedules B and W are timed around each library's own B and W call (torch:
+``stage.backward_one_chunk(full_backward=False)`` and ``stage.backward_weight_one_chunk``;
+meshrun: the runtime's B and W actions, which also issue the gradient's isend).
 
 Two bubbles, medians over steps, both from those compute times (busy_r: rank r's total):
 
@@ -30,7 +39,14 @@ Two bubbles, medians over steps, both from those compute times (busy_r: rank r's
   ones: GPipe and interleaved 1F1B have identical ``pipeline_order`` tables; torch's 1F1B
   runs the standard warm-up / 1F1B / cool-down). This is the bubble of the schedule itself,
   including any imbalance between stages and between F and B; it is what the formula
-  ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs. Actions of equal size still
+  ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs. For ZB-H1 and ZB-V the formula
+  column is `zero_bubble_formula` at this run's mean F and mean B + W, with B = W (the
+  paper's analysis; ZB-H1: ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))``, ZB-V: ``(p-1)F /
+  (2m(F+B+W) + (p-1)F)`` in chunk costs; with B = W both leave ``(p-1)F`` idle). Not the
+  measured B and W means: stage 0's B is empty (nothing needs its input's gradient) and its
+  W is its whole backward, which leaves the timeline as it is with B = W (the schedules put
+  stage 0's W right after its B) but would make the means meaningless. ``sched / formula``
+  then says how far the timeline under real, unequal costs is from the paper's analysis. Actions of equal size still
   vary from call to call here (two ranks share the memory system of a 2-core VM), and a
   varying cost on the critical path lengthens it, so this bubble sits a little above the
   formula even for a balanced model.
@@ -65,7 +81,10 @@ from _common import report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 LIBS = ("torch", "meshrun")
 SCHEDULES = {"GPipe": (1, "ScheduleGPipe"), "1F1B": (1, "Schedule1F1B"),
-             "Interleaved1F1B": (2, "ScheduleInterleaved1F1B")}
+             "Interleaved1F1B": (2, "ScheduleInterleaved1F1B"),
+             "ZBH1": (1, "ScheduleZBH1"), "ZBV": (2, "ScheduleZBV")}
+TORCH_NAMES = {"ZBH1": "ScheduleInterleavedZeroBubble", "ZBV": "ScheduleZBVZeroBubble"}
+SPLIT = ("ZBH1", "ZBV")  # schedules with B and W as separate actions
 N_MICRO, P = 4, 2
 
 
@@ -91,14 +110,14 @@ class _BackwardStarts(torch.autograd.Function):
     """Identity at a stage's output; its backward is the first of the stage's backward."""
 
     @staticmethod
-    def forward(ctx, x, clock, stage):
+    def forward(ctx, x, clock, stage, copy):
         ctx.clock, ctx.stage = clock, stage
-        return x.view_as(x)
+        return x.clone() if copy else x.view_as(x)  # torch's split B detach_()es: no view
 
     @staticmethod
     def backward(ctx, grad):
         ctx.clock.backward_start.setdefault(ctx.stage, []).append(time.perf_counter())
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _BackwardEnds(torch.autograd.Function):
@@ -120,10 +139,13 @@ class Clock:
 
     def __init__(self):
         self.forward, self.backward_start, self.backward_end = {}, {}, {}
+        self.split = None  # zero-bubble schedules: [(stage, "B" or "W", microbatch, seconds)]
 
     def costs(self):
-        """[(stage, "F" or "B", microbatch, seconds)]: the k-th call of a stage is microbatch k."""
+        """[(stage, "F"/"B"/"W", microbatch, seconds)]: the k-th call of a stage is microbatch k."""
         out = [(s, "F", k, d) for s, ds in self.forward.items() for k, d in enumerate(ds)]
+        if self.split is not None:
+            return out + self.split
         for s, starts in self.backward_start.items():
             ends = self.backward_end.get(s, [])
             out += [(s, "B", k, e - b) for k, (b, e) in enumerate(zip(starts, ends, strict=True))]
@@ -133,21 +155,49 @@ class Clock:
         return sum(c[3] for c in self.costs())
 
     def reset(self):
+        split = self.split is not None
         self.__init__()
+        if split:
+            self.split = []
+
+    def timed(self, kind, stage, microbatch, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.split.append((stage, kind, microbatch, time.perf_counter() - t0))
+        return out
+
+
+def time_split_actions(lib, stages, clock):
+    """Time each B and W around the library's own call (see the module docstring)."""
+    clock.split = []
+    if lib == "torch":
+        for st in stages:
+            bwd, wgt, s = st.backward_one_chunk, st.backward_weight_one_chunk, st.stage_index
+            st.backward_one_chunk = (lambda i, *a, bwd=bwd, s=s, **k:
+                                     clock.timed("B", s, i, bwd, i, *a, **k))
+            st.backward_weight_one_chunk = (lambda i, *a, wgt=wgt, s=s, **k:
+                                            clock.timed("W", s, i, wgt, i, *a, **k))
+        return
+    from meshrun.parallel.pipelining import runtime
+
+    for name, kind in (("_backward", "B"), ("_weight", "W")):
+        method = getattr(runtime._Step, name)
+        setattr(runtime._Step, name, lambda self, action, *a, method=method, kind=kind:
+                clock.timed(kind, action.stage, action.microbatch, method, self, action, *a))
 
 
 class Timed(nn.Module):
     """Runs ``inner`` (stage ``stage``) and records its forward and backward times in ``clock``."""
 
-    def __init__(self, inner, clock, stage):
+    def __init__(self, inner, clock, stage, copy=False):
         super().__init__()
-        self.inner, self.clock, self.stage = inner, clock, stage
+        self.inner, self.clock, self.stage, self.copy = inner, clock, stage, copy
         self.anchor = torch.zeros((), requires_grad=True)  # makes the stage-0 input "need" grad
 
     def forward(self, x):
         t0 = time.perf_counter()
         x = _BackwardEnds.apply(x, self.anchor, self.clock, self.stage)
-        y = _BackwardStarts.apply(self.inner(x), self.clock, self.stage)
+        y = _BackwardStarts.apply(self.inner(x), self.clock, self.stage, self.copy)
         self.clock.forward.setdefault(self.stage, []).append(time.perf_counter() - t0)
         return y
 
@@ -167,7 +217,7 @@ def build(lib, name, rank, clock, shape):
     v, cls_name = SCHEDULES[name]
     n_stages = P * v
     modules = stage_modules(shape, n_stages)
-    mine = [s for s in range(rank, n_stages, P)]
+    mine = [rank, n_stages - 1 - rank] if name == "ZBV" else list(range(rank, n_stages, P))
     if lib == "torch":
         from torch.distributed import pipelining as pl
 
@@ -175,19 +225,36 @@ def build(lib, name, rank, clock, shape):
         stages = []
         for s in mine:
             example = torch.empty(mb, shape.width)
-            stages.append(pl.PipelineStage(Timed(modules[s], clock, s), s, n_stages,
+            stages.append(pl.PipelineStage(Timed(modules[s], clock, s, name in SPLIT), s, n_stages,
                                            torch.device("cpu"), input_args=(example,)))
-        cls = getattr(pl, cls_name)
+        cls = getattr(pl, TORCH_NAMES.get(name, cls_name))
     else:
         import meshrun.parallel.pipelining as mp_pipeline
 
-        stages = [mp_pipeline.PipelineStage(Timed(modules[s], clock, s), s, n_stages)
-                  for s in mine]
+        placement = "v" if name == "ZBV" else "loop"
+        stages = [mp_pipeline.PipelineStage(Timed(modules[s], clock, s, name in SPLIT), s,
+                                            n_stages, placement=placement) for s in mine]
         cls = getattr(mp_pipeline, cls_name)
     params = [p for s in mine for p in modules[s].parameters()]
-    if v == 1:
-        return cls(stages[0], N_MICRO, loss_fn=loss_fn), params
-    return cls(stages, N_MICRO, loss_fn=loss_fn), params
+    if name in SPLIT:
+        time_split_actions(lib, stages, clock)
+    if v == 1 and not (lib == "torch" and name in TORCH_NAMES):
+        schedule = cls(stages[0], N_MICRO, loss_fn=loss_fn)
+    else:
+        schedule = cls(stages, N_MICRO, loss_fn=loss_fn)
+    if lib == "torch" and name in SPLIT:
+        check_same_order(name, schedule.pipeline_order)
+    return schedule, params
+
+
+def check_same_order(name, torch_order):
+    """torch's compute actions (I written B) must be the lists meshrun's schedule runs."""
+    order, _ = order_of(name)
+    for r, actions in torch_order.items():
+        theirs = [str(a).replace("I", "B") for a in actions if a is not None]
+        mine = [str(a) for a in order[r]]
+        if theirs != mine:
+            raise RuntimeError(f"{name}: torch's rank {r} runs {theirs}, meshrun's {mine}")
 
 
 def worker(rank, lib, name, port, steps, warmup, out_dir, shape):
@@ -224,14 +291,38 @@ def run(lib, name, steps, warmup, shape):
 
 
 def order_of(name):
-    from meshrun.parallel.pipelining import gpipe_order, interleaved_1f1b_order, one_f_one_b_order
+    from meshrun.parallel.pipelining import (
+        gpipe_order,
+        interleaved_1f1b_order,
+        one_f_one_b_order,
+        zb_h1_order,
+        zbv_order,
+    )
 
     v = SCHEDULES[name][0]
     if name == "GPipe":
         return gpipe_order(P, N_MICRO), P
     if name == "1F1B":
         return one_f_one_b_order(P, N_MICRO), P
+    if name == "ZBH1":
+        return zb_h1_order(P, N_MICRO), P
+    if name == "ZBV":
+        return zbv_order(P, N_MICRO), 2 * P
     return interleaved_1f1b_order(P, N_MICRO, v), P * v
+
+
+def formula_bubble(name, ranks, steps):
+    """The formula's bubble; for ZB-H1 and ZB-V at this run's mean F and B + W, B = W."""
+    v = SCHEDULES[name][0]
+    if name not in SPLIT:
+        return (P - 1) / (v * N_MICRO + P - 1)
+    from meshrun.parallel.pipelining import zero_bubble_formula
+
+    mean = {kind: statistics.mean(c[3] for r in ranks for i in range(steps)
+                                  for c in r["costs"][i] if c[1] == kind) for kind in "FBW"}
+    half = (mean["B"] + mean["W"]) / 2
+    return zero_bubble_formula(name.lower(), P, N_MICRO, forward=mean["F"],
+                               backward_input=half, weight=half)
 
 
 def schedule_bubble(name, ranks, i):
@@ -243,8 +334,8 @@ def schedule_bubble(name, ranks, i):
     expected = {(a.stage, a.kind, a.microbatch) for actions in order.values() for a in actions}
     if set(cost) != expected:
         raise RuntimeError(f"{name}: step {i} timed {len(cost)} stage calls, expected "
-                           f"{len(expected)} (one forward and one backward per stage and "
-                           f"microbatch)")
+                           f"{len(expected)} (one forward and one backward, and W where "
+                           f"split, per stage and microbatch)")
     sim = simulate(order, n_stages, cost=lambda a: cost[(a.stage, a.kind, a.microbatch)])
     return sim.bubble_fraction, sim.makespan
 
@@ -275,12 +366,12 @@ def main():
           "bubble formula | overhead ms/step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.schedules:
-        v = SCHEDULES[name][0]
         times = {lib: [] for lib in LIBS}
         walls = {lib: [] for lib in LIBS}
         scheds = {lib: [] for lib in LIBS}
         overheads = {lib: [] for lib in LIBS}
         rss = {lib: 0.0 for lib in LIBS}
+        formulas = []
         for _ in range(args.rounds):
             for lib in LIBS:
                 ranks = run(lib, name, args.steps, args.warmup, shape)
@@ -293,14 +384,18 @@ def main():
                     scheds[lib].append(bubble)
                     overheads[lib].append(pipe - makespan)
                 rss[lib] = max(rss[lib], *(r["rss_mib"] for r in ranks))
-        formula = (P - 1) / (v * N_MICRO + P - 1)
+                formulas.append(formula_bubble(name, ranks, args.steps))
+        formula = statistics.median(formulas)
         ms = {lib: 1000 * statistics.median(times[lib]) for lib in LIBS}
         for lib in LIBS:
             print(f"| {name} | {lib} | {ms[lib]:.1f} | {rss[lib]:.0f} | "
                   f"{statistics.median(walls[lib]):.3f} | {statistics.median(scheds[lib]):.3f} | "
                   f"{formula:.3f} | {1000 * statistics.median(overheads[lib]):.1f} |")
+        sched = {lib: statistics.median(scheds[lib]) for lib in LIBS}
         print(f"| {name} | ratio meshrun/torch | {ms['meshrun'] / ms['torch']:.3f}x | "
-              f"{rss['meshrun'] / rss['torch']:.3f}x | | | | |")
+              f"{rss['meshrun'] / rss['torch']:.3f}x | | "
+              f"{sched['meshrun'] / sched['torch']:.3f}x | sched/formula: "
+              f"{sched['meshrun'] / formula:.2f} (torch {sched['torch'] / formula:.2f}) | |")
 
 
 if __name__ == "__main__":
