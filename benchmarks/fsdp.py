@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/fsdp.py [--steps 20] [--warmup 5] [--rounds 2]
                                         [--models mlp-blocks char-lm] [--mmap-threshold BYTES]
+                                        [--hsdp]
 
 Same model, same data, 2 ranks on gloo (CPU, one thread per rank), Adam. The FSDP modes shard
 each block, then the root (``reshard_after_forward=True``: ZeRO-3). Every (model, mode) run is
@@ -20,6 +21,14 @@ a fresh pair of processes, so peak RSS belongs to that mode alone; the modes alt
   every mode alike) keeps large buffers in mmap and shows the RSS the tensors need.
 - The target for meshrun fully_shard: state <= ddp's / N + one unit's unsharded parameters
   (printed as "bound"), and step time <= 1.2x torch FSDP2's.
+
+``--hsdp``: instead, HSDP on 4 ranks: meshrun ``fully_shard(module, mesh=Mesh({"dp_replicate":
+2, "dp_shard": 2}))`` against torch FSDP2's ``fully_shard(module, mesh=init_device_mesh("cpu",
+(2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))``, both sharding each block then the
+root, with meshrun ddp over the 4 ranks as the unsharded reference: each rank holds half of
+every parameter, gradient and optimizer state (sharded over 2, replicated over 2), so state
+<= ddp's / 2 + one unit's unsharded parameters; per-rank batch as above. Four ranks share the
+machine's cores, so the times compare the libraries, not a cluster.
 
 gloo has no native reduce-scatter: it emulates it (a reduce then a scatter, or an all-reduce),
 so these CPU times measure the library's overhead and overlap, not GPU (NCCL) times.
@@ -45,6 +54,8 @@ sys.path[:0] = [str(REPO), str(REPO / "examples")]
 from _common import make_char_lm, report_rank, spawn_ranks  # noqa: E402 - beside this file
 
 MODES = ("torch-fsdp2", "meshrun-fsdp", "meshrun-ddp")
+HSDP_MODES = ("torch-hsdp", "meshrun-hsdp", "meshrun-ddp")
+HSDP_SHAPE = {"dp_replicate": 2, "dp_shard": 2}
 MiB = 2 ** 20
 
 
@@ -96,11 +107,17 @@ def apply_mode(model, mode):
         from meshrun.parallel import fully_shard
 
         shard, kwargs = fully_shard, {}
+    elif mode == "meshrun-hsdp":
+        from meshrun.parallel import Mesh, fully_shard
+
+        shard, kwargs = fully_shard, {"mesh": Mesh(HSDP_SHAPE)}
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as shard
 
-        kwargs = {"mesh": init_device_mesh("cpu", (2,))}
+        shape = (tuple(HSDP_SHAPE.values()), tuple(HSDP_SHAPE)) if mode == "torch-hsdp" \
+            else ((2,), None)
+        kwargs = {"mesh": init_device_mesh("cpu", shape[0], mesh_dim_names=shape[1])}
     for block in blocks:
         shard(block, **kwargs)
     return shard(model, **kwargs)
@@ -129,9 +146,9 @@ def largest_unit_bytes(model):
     return max(block, rest)
 
 
-def worker(rank, model_name, mode, port, steps, warmup, out_dir):
+def worker(rank, model_name, mode, port, steps, warmup, out_dir, world=2):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -156,8 +173,9 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir):
 
 
 
-def run(model_name, mode, steps, warmup):
-    return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out))
+def run(model_name, mode, steps, warmup, world=2):
+    return spawn_ranks(world, worker, lambda port, out: (model_name, mode, port, steps, warmup,
+                                                         out, world))
 
 
 def main():
@@ -168,36 +186,41 @@ def main():
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                    help="set MALLOC_MMAP_THRESHOLD_ for the workers (glibc; see above)")
+    p.add_argument("--hsdp", action="store_true",
+                   help="HSDP on 4 ranks (2 replicas x 2 shards) vs torch FSDP2's HSDP")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     if args.mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
 
     threshold = "" if args.mmap_threshold is None else f" --mmap-threshold {args.mmap_threshold}"
+    world, modes, peer = (4, HSDP_MODES, "torch-hsdp") if args.hsdp else (2, MODES, "torch-fsdp2")
     print(f"`python benchmarks/fsdp.py --steps {args.steps} --warmup {args.warmup} "
-          f"--rounds {args.rounds} --models {' '.join(args.models)}{threshold}` "
-          f"(2 ranks, gloo, CPU)\n")
-    print("| model | params | mode | ms/step | vs FSDP2 | state MiB | vs ddp | peak RSS MiB |")
+          f"--rounds {args.rounds} --models {' '.join(args.models)}{threshold}"
+          f"{' --hsdp' if args.hsdp else ''}` ({world} ranks, gloo, CPU; load average "
+          f"{os.getloadavg()[0]:.1f})\n")
+    print(f"| model | params | mode | ms/step | vs {peer} | state MiB | vs ddp | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|")
+    shards = 2  # FSDP over 2 ranks, or HSDP's dp_shard axis
     for model_name in args.models:
-        times = {m: [] for m in MODES}
-        rss = {m: 0.0 for m in MODES}
-        state = {m: 0.0 for m in MODES}
+        times = {m: [] for m in modes}
+        rss = {m: 0.0 for m in modes}
+        state = {m: 0.0 for m in modes}
         for _ in range(args.rounds):
-            for mode in MODES:
-                ranks = run(model_name, mode, args.steps, args.warmup)
+            for mode in modes:
+                ranks = run(model_name, mode, args.steps, args.warmup, world)
                 times[mode] += ranks[0]["times"]
                 rss[mode] = max(rss[mode], *(r["rss_mib"] for r in ranks))
                 state[mode] = max(state[mode], *(r["state_mib"] for r in ranks))
                 params, unit_mib = ranks[0]["params"], ranks[0]["unit_mib"]
-        ms = {m: 1000 * statistics.median(times[m]) for m in MODES}
-        for mode in MODES:
+        ms = {m: 1000 * statistics.median(times[m]) for m in modes}
+        for mode in modes:
             print(f"| {model_name} | {params / 1e6:.1f}M | {mode} | {ms[mode]:.1f} | "
-                  f"{ms[mode] / ms['torch-fsdp2']:.2f}x | {state[mode]:.1f} | "
+                  f"{ms[mode] / ms[peer]:.2f}x | {state[mode]:.1f} | "
                   f"{state[mode] / state['meshrun-ddp']:.2f}x | {rss[mode]:.0f} |")
-        bound = state["meshrun-ddp"] / 2 + unit_mib
-        print(f"| {model_name} | | bound | <= {1.2 * ms['torch-fsdp2']:.1f} | 1.20x | "
-              f"<= {bound:.1f} (ddp/2 + largest unit {unit_mib:.1f}) | | |")
+        bound = state["meshrun-ddp"] / shards + unit_mib
+        print(f"| {model_name} | | bound | <= {1.2 * ms[peer]:.1f} | 1.20x | "
+              f"<= {bound:.1f} (ddp/{shards} + largest unit {unit_mib:.1f}) | | |")
 
 
 if __name__ == "__main__":
