@@ -5,10 +5,12 @@ model with an explicit process group or mesh; there are no module-level global g
 
 - `init()` -> `ParallelContext`: join the process group described by the torchrun env.
 - `Mesh`: named N-D mesh of ranks, one process group per axis.
-- `ddp()`: data parallelism with bucketed, overlapped gradient all-reduce.
+- `ddp()`: data parallelism with bucketed, overlapped gradient all-reduce;
+  ``model.register_comm_hook`` with `comm_hooks` (fp16/bf16 compression, PowerSGD).
 - `agree_num_batches()`: uneven inputs; every rank runs the minimum number of batches.
 - `fully_shard()` + `MixedPrecisionPolicy`, `clip_grad_norm_()`: FSDP (ZeRO-3), parameters
-  sharded on dim 0, named as torch's FSDP2.
+  sharded on dim 0, named as torch's FSDP2; ``offload_policy=CPUOffloadPolicy()`` keeps
+  shards, gradients and optimizer state on the host.
 - `placement`: one record per parameter (global shape, the pieces this rank holds, which group
   cuts which dim, the owning pipeline stage); the strategies write it, everything else reads
   it. So ``model.state_dict()`` holds DTensors of the unsplit shapes (TP, FSDP, TP x FSDP:
@@ -43,6 +45,7 @@ from meshrun.parallel.cp import (
 )
 from meshrun.parallel.ddp import agree_num_batches, ddp
 from meshrun.parallel.fsdp import (
+    CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
     clip_grad_norm_,
@@ -81,7 +84,7 @@ __all__ = ["ColwiseParallel", "Mesh", "ParallelContext", "PrepareModuleInput",
            "ShardedDropout", "agree_num_batches", "ddp", "full_tensor", "heartbeat", "init",
            "parallelize", "vocab_parallel_cross_entropy"]
 __all__ += ["busy", "checkpoint_activations", "gradient_sync"]
-__all__ += ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
+__all__ += ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
             "fully_shard"]
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
             "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBV", "pipeline",

@@ -24,6 +24,7 @@ Files, one concern each (after torch/distributed/fsdp/_fully_shard/):
   parameters' `meshrun.parallel.placement` records); `full_state_dict` (rank 0, CPU, one
   parameter at a time) lives in `meshrun.parallel.state_dict`.
 - clip.py: `clip_grad_norm_` by the global norm over the shards.
+- offload.py: `CPUOffloadPolicy`: shards, gradients and optimizer state in host memory.
 
 Limits: parameters are sharded from a materialised module (no meta-device init); the unit's
 forward must be where its parameters are used (a parameter shared across calls is refused);
@@ -33,7 +34,8 @@ per-rank (plain tensors), not DTensors.
 
 from meshrun.parallel.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshrun.parallel.fsdp.clip import clip_grad_norm_
+from meshrun.parallel.fsdp.offload import CPUOffloadPolicy, OffloadPolicy
 from meshrun.parallel.state_dict import full_state_dict
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "full_state_dict",
-           "fully_shard"]
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+           "clip_grad_norm_", "full_state_dict", "fully_shard"]

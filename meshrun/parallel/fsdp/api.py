@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.parallel import placement
+from meshrun.parallel.fsdp.offload import OffloadPolicy
 from meshrun.parallel.fsdp.state_dict import register_state_dict_hooks
 from meshrun.parallel.fsdp.unit import Unit
 
@@ -70,7 +71,8 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
                 mesh=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None,
+                offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard ``module``'s parameters on dim 0 across ``group``; return the same module.
 
     Apply bottom-up: to each block first, then to the root. A call manages the parameters of
@@ -103,6 +105,10 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (see
             `FSDPModule.set_reshard_after_forward`).
         mp_policy: `MixedPrecisionPolicy` (default: none, everything in the parameters' dtype).
+        offload_policy: `CPUOffloadPolicy` keeps this unit's shards, their gradients and the
+            optimizer state in host memory, copied to the device before each all-gather and
+            back after each reduce-scatter (`meshrun.parallel.fsdp.offload`); the optimizer
+            then steps on the host. Default (None or `OffloadPolicy()`): no offload.
 
     Returns:
         ``module``, its class now a subclass of `FSDPModule`.
@@ -110,6 +116,7 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     Raises:
         RuntimeError: the default process group is not initialised, or ``module`` was already
             passed to ``fully_shard``.
+        TypeError: ``offload_policy`` is not an `OffloadPolicy`.
         ValueError: both ``group`` and ``mesh``; a mesh of other axes; a parameter is already
             managed by another ``fully_shard`` call (shared
             between two calls, or calls made top-down); a 0-dim parameter; parameters of
@@ -125,11 +132,14 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         raise RuntimeError(f"fully_shard: this {type(module).__name__} was already passed to "
                            f"fully_shard")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be CPUOffloadPolicy(...) or "
+                        f"OffloadPolicy() (got {type(offload_policy).__name__})")
     group, replicate_group = _groups(group, mesh)
     params, aliases, fqns = _collect(module)
     before = [placement.of(p) for p in params]  # TP's record, or whole: read before the cut
     unit = Unit(module, group, params, aliases, fqns, reshard_after_forward, mp_policy,
-                replicate_group=replicate_group)
+                replicate_group=replicate_group, offload_policy=offload_policy)
     for p, was in zip(params, before, strict=True):
         p._fsdp_unit = unit
         placement.record(p, was.narrow(placement.Cut("fsdp", group, 0, unit.world_size,

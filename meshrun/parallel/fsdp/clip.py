@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.parallel import placement
+from meshrun.parallel._comm import group_device
 
 
 @torch.no_grad()
@@ -88,7 +89,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     local = _norm_power(sharded, norm_type, device)
     if groups:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(local, op=op, group=groups[0])
+        on = group_device(groups[0])  # offloaded gradients are on the host; nccl is not
+        reduced = local.to(on)
+        dist.all_reduce(reduced, op=op, group=groups[0])
+        local = reduced.to(device)
     rep = _norm_power(replicated, norm_type, device)
     if math.isinf(norm_type):
         total = torch.maximum(local, rep)

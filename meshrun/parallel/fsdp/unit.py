@@ -38,6 +38,10 @@ Note: the unit and autograd.
   into a buffer the size of the unsharded unit and communicates nothing; the next synchronised
   backward adds its gradients to that buffer and reduce-scatters it (gradient accumulation
   costs one unsharded gradient buffer per unit, as in FSDP2).
+- CPU offload (``offload_policy=CPUOffloadPolicy()``, offload.py): the flat shard lives in
+  host memory (so do ``shard.grad`` and the optimizer state); each gather starts from a
+  device copy of it, and each finished reduce-scatter's rows are copied to the host before
+  they are added to ``shard.grad``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from meshrun.parallel._comm import (
     wait,
 )
 from meshrun.parallel.data_check import check_first_input
+from meshrun.parallel.fsdp import offload
 from meshrun.parallel.fsdp.layout import ShardLayout
 from meshrun.parallel.heartbeat import heartbeat
 
@@ -183,7 +188,8 @@ class Unit:
 
     def __init__(self, module: nn.Module, group, params: list[nn.Parameter],
                  aliases: list[list[tuple[nn.Module, str]]], fqns: list[list[str]],
-                 reshard_after_forward: bool, mp_policy, replicate_group=None):
+                 reshard_after_forward: bool, mp_policy, replicate_group=None,
+                 offload_policy=None):
         self.module, self.group = module, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         # HSDP: the shard is replicated over this group; its gradients are all-reduced there
@@ -201,6 +207,8 @@ class Unit:
         self.dtype = params[0].dtype if params else torch.float32
         self.device = params[0].device if params else torch.device("cpu")
         self.param_dtype = mp_policy.param_dtype or self.dtype
+        self.offload = offload_policy if isinstance(offload_policy, offload.CPUOffloadPolicy) \
+            else None  # shards, their gradients and optimizer state on the host
         self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
         self._shard_params()
 
@@ -216,7 +224,12 @@ class Unit:
                 dist.broadcast(flat, group=self.replicate_group, group_src=0)
             dist.broadcast(flat, group=self.group, group_src=0)
             full = list(torch.split(flat, [t.numel() for t in full]))
-        self.sharded = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        if self.offload is not None:
+            self.sharded = offload.host_empty(self.layout.shard_numel, self.dtype,
+                                              self.offload.pin_memory)
+        else:
+            self.sharded = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
+                                       device=self.device)
         self.layout.shard(full, self.sharded)
         for i, p in enumerate(self.params):
             p.data = self.layout.local_view(self.sharded, i)
@@ -240,8 +253,12 @@ class Unit:
         if self.gather is not None or not self.params:
             return
         self._check_shards()
-        shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(
-            self.param_dtype)
+        if self.offload is not None:  # host -> device, in param_dtype
+            shard = offload.to_device(self.sharded, self.device, self.param_dtype)
+        elif self.param_dtype == self.dtype:
+            shard = self.sharded
+        else:
+            shard = self.sharded.to(self.param_dtype)
         out = torch.empty(self.world_size * self.layout.shard_numel, dtype=self.param_dtype,
                           device=self.device)
         self.gather = (all_gather_flat(out, shard, self.group), out, shard)
@@ -362,7 +379,10 @@ class Unit:
 
     @torch.no_grad()
     def accumulate_shard_grads(self, output: torch.Tensor) -> None:
-        """Add a finished reduce-scatter's rows to each shard's ``.grad`` (original dtype)."""
+        """Add a finished reduce-scatter's rows to each shard's ``.grad`` (original dtype;
+        offloaded: copied to the host first)."""
+        if self.offload is not None:
+            output = offload.to_host(output, self.dtype, self.offload.pin_memory)
         for i, p in enumerate(self.params):
             if not p.requires_grad:
                 continue
