@@ -17,8 +17,8 @@ Parallelism: ``--pp P --tp T --cp C --dp D`` lay the world out as one mesh
 - context parallelism (``--cp``): each sequence split over C ranks in the zigzag layout
   (rank r holds chunks r and 2C-1-r of 2C; positions follow), attention by ``--cp-mode``
   ``ring`` (``meshrun.parallel.ring_attention``) or ``ulysses`` (all-to-all); batches are
-  split by the dp rank only, and gradients reduced over dp x cp. Not with --pp or
-  --sequence-parallel yet.
+  split by the dp rank only, and gradients reduced over dp x cp. Composes with --tp (and
+  --sequence-parallel, which shards each rank's part further); not with --pp yet.
 - pipeline parallelism (``--pp``, or ``--parallel pp``): the blocks split into P stages with
   ``meshrun.parallel.split_into_stages``, trained with ``--pp-schedule`` (1F1B by default)
   over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's.

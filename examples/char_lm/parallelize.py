@@ -176,8 +176,6 @@ def cp_problem(args, n_head):
                 f"(the {CP_LAYOUT} layout cuts each sequence into 2 x cp equal chunks)")
     if args.pp > 1:
         return "--cp with --pp is not supported yet: use --cp with --dp and --tp"
-    if args.sequence_parallel:
-        return "--cp with --sequence-parallel is not supported yet: drop --sequence-parallel"
     if args.dp_mode == "torch-ddp":
         return "--cp needs --dp-mode ddp or fsdp (torch-ddp is the pure data-parallel reference)"
     if args.cp_mode == "ulysses" and (n_head // args.tp) % cp:

@@ -236,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
         rank = ring.rank if ring else 0
         qa, da = q.to(acc), dout.to(acc).contiguous()
         oa = out.to(acc)
-        delta = (da * oa).sum(-1)
+        delta = None if _fused(qa) else (da * oa).sum(-1)  # the fused kernel makes its own
         dq = torch.zeros_like(qa)
         kv = torch.stack([k, v])
         dkv_in, dkv_works, mine = None, [], None
@@ -250,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = _block_backward(
                     da[:, :, rows], qa[:, :, rows], kv[0][:, :, cols].to(acc),
                     kv[1][:, :, cols].to(acc), oa[:, :, rows], lse[:, :, rows],
-                    delta[:, :, rows], ctx.scale, diagonal)
+                    None if delta is None else delta[:, :, rows], ctx.scale, diagonal)
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b

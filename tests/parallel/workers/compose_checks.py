@@ -66,10 +66,11 @@ def compare(par, ref, what, grads):
 
 
 def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
-           count_syncs=False, cp=1, cp_mode="ring"):
+           count_syncs=False, cp=1, cp_mode="ring", sp=False):
     args = train.parse_args(["--pp", str(pp), "--tp", str(tp), "--dp", str(dp), "--dp-mode", mode,
                           "--pp-schedule", schedule, "--pp-microbatches", "2",
-                          "--cp", str(cp), "--cp-mode", cp_mode, "--block-size", str(T)])
+                          "--cp", str(cp), "--cp-mode", cp_mode, "--block-size", str(T)]
+                         + ["--sequence-parallel"] * sp)
     torch.manual_seed(0)
     model = lm.CharLM(VOCAB, T, n_layer=n_layer, n_head=2, n_embd=16)
     ref = copy.deepcopy(model)

@@ -114,11 +114,15 @@ def check_flat_group(ctx):
 def check_char_lm_ddp(ctx):
     """The example's CharLM under its own parallelize_lm with --cp, against the unsplit model
     in one process (compose_checks.parity: loss, every gradient and parameter for 2 SGD
-    steps, the global clip's norm). 2 ranks: cp 2 (ring) x ddp; 4 ranks: tp 2 x cp 2."""
+    steps, the global clip's norm). 2 ranks: cp 2 (ring) x ddp; 4 ranks: tp 2 x cp 2, without
+    and with sequence parallelism."""
     from tests.parallel.workers.compose_checks import parity as model_parity
 
-    tp = 2 if dist.get_world_size() == 4 else 1
-    model_parity(pp=1, tp=tp, dp=1, mode="ddp", cp=2, cp_mode="ring")
+    if dist.get_world_size() == 4:
+        for sp in (False, True):
+            model_parity(pp=1, tp=2, dp=1, mode="ddp", cp=2, cp_mode="ring", sp=sp)
+    else:
+        model_parity(pp=1, tp=1, dp=1, mode="ddp", cp=2, cp_mode="ring")
 
 
 def check_char_lm_fsdp(ctx):
