@@ -14,7 +14,7 @@ CHECKS = ["check_gpipe", "check_1f1b", "check_1f1b_many_microbatches", "check_in
           "check_interleaved_eight_stages", "check_zbh1", "check_zbv", "check_custom_order",
           "check_eval",
           "check_tuple_and_int_tensors", "check_scale_grads_false",
-          "check_eval_shapes_differ_from_training"]
+          "check_eval_shapes_differ_from_training", "check_refusals"]
 DP_CHECKS = ["check_pp_dp_parity", "check_sync_once_per_step"]
 
 
@@ -53,8 +53,8 @@ def test_pp_with_data_parallel(dp_results, check):
                  "stage 1 was declared (input_args) to take [(2, 12) float32]"),
     ("undeclared", "pipeline stage 1 (pipeline rank 1): forward of microbatch 0 failed on "
                    "inputs [(2, 16) float32] from stage 0"),
-    ("changed", "pipeline stage 0: sends [(1, 16) float32] to stage 1, but the first step "
-                "sent [(2, 16) float32]; the shapes between stages are fixed by the first "
+    ("changed", "this step's batch microbatches are [(1, 6) float32], but the first step "
+                "had [(2, 6) float32]; the shapes between stages are fixed by the first "
                 "step and the first eval"),
 ])
 def test_shape_mismatch_names_the_stage(mode, message):

@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from meshrun.parallel._comm import launched, wait
 from meshrun.parallel.grad_sync import gradient_sync
@@ -158,7 +159,7 @@ class PipelineSchedule:
             raise ValueError(f"PipelineSchedule: the order runs stages {mine} on pipeline rank "
                              f"{self.rank}, but this rank built stages {given}")
         self.stages = stages
-        self.n_microbatches = n_microbatches
+        self._n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.pipeline_order: Order = order
@@ -177,6 +178,19 @@ class PipelineSchedule:
         # the fixed shapes of each channel between ranks, per mode (training step, eval):
         self._sent_meta: dict[tuple[bool, int], list] = {}  # (training, destination stage)
         self._recv_meta: dict[tuple[bool, int], list] = {}  # (training, stage of this rank)
+        self._batch_meta: dict[tuple[bool, str], list] = {}  # (training, "batch"/"target")
+        self._failed = ""  # why a step failed midway: the schedule cannot run again
+
+    @property
+    def n_microbatches(self) -> int:
+        """Microbatches per step (fixed: the order was built and checked for this number)."""
+        return self._n_microbatches
+
+    @n_microbatches.setter
+    def n_microbatches(self, value) -> None:
+        raise AttributeError(
+            f"PipelineSchedule.n_microbatches is fixed at {self._n_microbatches}: the order "
+            f"was built for it; build a new schedule (pipeline(..., n_microbatches={value}))")
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              **kwargs):
@@ -192,13 +206,16 @@ class PipelineSchedule:
 
         Returns:
             On the last stage's rank: the outputs of all microbatches concatenated along dim 0
-            (a tuple if the stage returns a tuple). Elsewhere: None.
+            (a tuple if the stage returns a tuple; for any other type, such as a dict, the
+            list of the microbatches' outputs). Elsewhere: None.
 
         Raises:
             ValueError: no ``loss_fn``; no ``target`` on the last stage's rank; a batch
                 dimension not divisible by ``n_microbatches``; no batch on stage 0's rank.
             RuntimeError: a stage's forward failed, or shapes between stages do not match
-                (the message names the stage and microbatch).
+                (the message names the stage and microbatch); this batch's (or target's)
+                microbatch shapes differ from the first step's; an earlier step failed
+                midway (the schedule cannot run again).
 
         Mirrors ``torch.distributed.pipelining``'s ``schedule.step``.
         """
@@ -206,8 +223,8 @@ class PipelineSchedule:
             raise ValueError("PipelineSchedule.step: training needs a loss_fn "
                              "(use eval() for forward only)")
         with torch.enable_grad():
-            return _Step(self, True, args, kwargs, target, losses,
-                         return_outputs).run(self.pipeline_order[self.rank])
+            one = _Step(self, True, args, kwargs, target, losses, return_outputs)
+            return self._run(one, self.pipeline_order[self.rank])
 
     def eval(self, *args, target=None, losses: list | None = None, **kwargs):
         """Forward only, under ``torch.no_grad()``: same arguments and result as `step`.
@@ -216,8 +233,27 @@ class PipelineSchedule:
         ``losses`` on the last stage's rank. No gradient is computed or synchronised.
         """
         with torch.no_grad():
-            return _Step(self, False, args, kwargs, target, losses,
-                         True).run(self._eval_order[self.rank])
+            one = _Step(self, False, args, kwargs, target, losses, True)
+            return self._run(one, self._eval_order[self.rank])
+
+    def _run(self, one: _Step, actions: list[Action]):
+        """Run a step's actions; a step that fails midway leaves messages in flight between
+        the ranks (a receive posted, a send unmatched) that would pair with the next step's,
+        so the schedule refuses to run again (`_check_usable`)."""
+        try:
+            return one.run(actions)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"[:300]
+            raise
+
+    def _check_usable(self) -> None:
+        if self._failed:
+            raise RuntimeError(
+                f"PipelineSchedule: an earlier step failed midway ({self._failed}); its "
+                f"messages between the stages may still be in flight and would pair with "
+                f"this step's, so this schedule cannot run again: let the job fail (meshrun "
+                f"restarts it from the last checkpoint), or destroy and re-create the "
+                f"process group and build a new schedule")
 
 
 # -------------------------------------------------------------------------------------------
@@ -227,6 +263,8 @@ class PipelineSchedule:
 class _Step:
     def __init__(self, schedule: PipelineSchedule, training, args, kwargs, target, losses,
                  return_outputs):
+        schedule._check_usable()
+        self.batch_meta: dict[tuple[bool, str], list] = {}  # what this step fixes, once run
         self.sched = schedule
         self.training = training
         self.losses = losses
@@ -241,6 +279,8 @@ class _Step:
                 raise ValueError("PipelineSchedule: this rank holds stage 0 and needs the "
                                  "batch: step(inputs, target=...)")
             self.microbatches = _split_args(args, kwargs, m)
+            first = [t for t in tree_leaves(self.microbatches[0]) if isinstance(t, torch.Tensor)]
+            self._check_batch("batch", first)
         self.targets = None
         if self.last is not None:
             if target is None and training:
@@ -248,6 +288,8 @@ class _Step:
                                  f"({schedule.num_stages - 1}) and needs target=...")
             if target is not None and schedule.loss_fn is not None:
                 self.targets = _split(target, m, "target")
+                self._check_batch("target", [t for t in tree_leaves(self.targets[0])
+                                             if isinstance(t, torch.Tensor)])  # fmt: skip
         self.cache: dict[tuple[int, int], tuple[list, list]] = {}
         self.weights: dict[tuple[int, int], SplitBackward] = {}  # B done, W not yet
         self.outputs: dict[int, object] = {}
@@ -258,6 +300,19 @@ class _Step:
                         if mode == training}  # stage -> shapes of its inputs, once known
         self.out_meta: dict[int, list] = {}  # stage -> meta of its outputs (microbatch 0)
         self.sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+
+    def _check_batch(self, what: str, tensors: list[torch.Tensor]) -> None:
+        """The first and last stages know the batch: one whose microbatch shapes differ from
+        the first step's (or eval's) raises here, before this rank sends or receives anything,
+        instead of leaving its peer waiting for a message of the old shape (only the stages in
+        between cannot tell, and wait until the collective timeout or ``--hang-timeout``)."""
+        key, meta = (self.training, what), tensor_meta(tensors)
+        fixed = self.sched._batch_meta.get(key)
+        if fixed is None:  # fixed once this step has run (a step refused here fixes nothing)
+            self.batch_meta[key] = meta
+        elif meta != fixed:
+            raise RuntimeError(_fixed_shapes_message(
+                f"this step's {what} microbatches are {_fmt(meta)}", meta, fixed, self.training))
 
     def run(self, actions: list[Action]):
         sched = self.sched
@@ -279,6 +334,8 @@ class _Step:
             wait(work)
         self.sends = []
         heartbeat()  # one step done: progress for `meshrun --hang-timeout`
+        for key, meta in self.batch_meta.items():
+            sched._batch_meta.setdefault(key, meta)
         if self.last is None:
             return None
         m = sched.n_microbatches
@@ -400,13 +457,9 @@ class _Step:
             self.sched._sent_meta[key] = meta
             return True
         if meta != fixed:
-            first = "step" if self.training else "eval"
-            raise RuntimeError(
-                f"pipeline stage {dst_stage - 1}: sends {_fmt(meta)} to stage {dst_stage}, "
-                f"but the first {first} sent {_fmt(fixed)}; the shapes between stages are "
-                f"fixed by the first step and the first eval (as in torch.distributed."
-                f"pipelining): keep the batch size and sequence length constant (e.g. "
-                f"drop_last=True), or build a new PipelineSchedule for other shapes")
+            raise RuntimeError(_fixed_shapes_message(
+                f"pipeline stage {dst_stage - 1}: sends {_fmt(meta)} to stage {dst_stage}",
+                meta, fixed, self.training))
         return False
 
     def _source(self, action: Action) -> int | None:
@@ -503,6 +556,19 @@ class _Recv:
 # helpers
 
 
+def _fixed_shapes_message(now: str, meta, fixed, training: bool) -> str:
+    """Why a step's shapes (``meta``, described by ``now``) cannot run where the first step
+    (or eval) fixed ``fixed``: the dtypes when only they changed, else the shapes."""
+    first = "step" if training else "eval"
+    same_shapes = [shape for shape, _ in fixed] == [shape for shape, _ in meta]
+    what = "dtypes" if same_shapes else "shapes"
+    keep = ("keep the dtypes of what the stages return constant" if same_shapes else
+            "keep the batch size and sequence length constant (e.g. drop_last=True)")
+    return (f"{now}, but the first {first} had {_fmt(fixed)}; the {what} between stages are "
+            f"fixed by the first step and the first eval (as in torch.distributed.pipelining):"
+            f" {keep}, or build a new PipelineSchedule for other shapes")
+
+
 def _data_parallel(module) -> bool:
     """Whether ``module`` or a submodule switches gradient sync (ddp, fully_shard, torch's)."""
     return any(hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
@@ -512,8 +578,10 @@ def _data_parallel(module) -> bool:
 def _split(value, m: int, what: str):
     if not isinstance(value, torch.Tensor):
         return [value] * m
-    if value.dim() == 0 or value.shape[0] % m:
+    if value.dim() == 0 or value.shape[0] % m or value.shape[0] == 0:
         size = value.shape[0] if value.dim() else "none (a scalar)"
+        if size == 0:
+            raise ValueError(f"PipelineSchedule: {what} is an empty batch (batch dimension 0)")
         raise ValueError(f"PipelineSchedule: {what} has batch dimension {size}, which is not "
                          f"a multiple of n_microbatches={m}")
     return list(value.split(value.shape[0] // m))

@@ -275,10 +275,70 @@ def check_scale_grads_false(ctx):
             close(p.grad, q.grad, f"grad {name}")
 
 
+class FailOnce(nn.Module):
+    """Raises in the forward of microbatch ``fail_at`` of the next step (then never again)."""
+
+    def __init__(self, inner, fail_at):
+        super().__init__()
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at + 1:
+            raise RuntimeError("a bad microbatch")
+        return self.inner(x)
+
+
+def check_refusals(ctx):
+    """What cannot run is said at once, on the ranks that can tell (the breaker's cases): a
+    batch (stage 0's rank) or target (the last stage's) of other microbatch shapes than the
+    first step's, before any message, so the schedule stays usable; an empty batch; a new
+    n_microbatches; and a step after one that failed midway (on a pipeline of one rank: a
+    peer of the failed step would wait for its message)."""
+    schedule, _, _ = build(2, ctx.rank, 2, Schedule1F1B, 2)
+    x, y = data(0)
+    schedule.step(x, target=y)
+    small_x, small_y = data(1, batch=6)
+    try:
+        schedule.step(small_x, target=small_y)
+        raise AssertionError("a smaller batch ran")
+    except RuntimeError as e:
+        what = "batch" if ctx.rank == 0 else "target"
+        assert f"this step's {what} microbatches are [(3, " in str(e), e
+    schedule.step(x, target=y)  # nothing was sent: the next step of the old shape runs
+    for bad in (lambda: schedule.step(x[:0], target=y[:0]),):
+        try:
+            bad()
+            raise AssertionError("an empty batch ran")
+        except ValueError as e:
+            assert "empty batch" in str(e), e
+    try:
+        schedule.n_microbatches = 4
+        raise AssertionError("n_microbatches changed")
+    except AttributeError as e:
+        assert "fixed at 2" in str(e), e
+    alone = [torch.distributed.new_group([r]) for r in range(2)][ctx.rank]
+    full, first, blocks, last = make_model(2)
+    modules = split_into_stages(blocks, 2, first=first, last=last)
+    modules[1] = FailOnce(modules[1], fail_at=1)
+    stages = [PipelineStage(modules[s], s, 2, group=alone) for s in range(2)]
+    one_rank = ScheduleInterleaved1F1B(stages, 2, mse)
+    try:
+        one_rank.step(x, target=y)
+        raise AssertionError("the failing microbatch ran")
+    except RuntimeError as e:
+        assert "a bad microbatch" in str(e), e
+    try:
+        one_rank.step(x, target=y)
+        raise AssertionError("a schedule whose step failed midway ran again")
+    except RuntimeError as e:
+        assert "an earlier step failed midway" in str(e), e
+
+
 CHECKS = [check_gpipe, check_1f1b, check_1f1b_many_microbatches, check_interleaved,
           check_interleaved_eight_stages, check_zbh1, check_zbv, check_custom_order, check_eval,
           check_tuple_and_int_tensors, check_scale_grads_false,
-          check_eval_shapes_differ_from_training]
+          check_eval_shapes_differ_from_training, check_refusals]
 
 
 def main():

@@ -4,8 +4,8 @@
   ``input_args``, or not). Expected: stage 1 raises an error naming itself; the launcher stops
   stage 0, which would otherwise wait for a gradient.
 - "changed": a right split, but the second step's batch is half the first's. Expected: stage
-  0 raises (shapes are fixed by the first step) before it sends; the launcher stops stage 1,
-  which would otherwise wait for the activation.
+  0 raises on its batch, the last stage on its target (shapes are fixed by the first step),
+  both before any message, so neither waits for the other.
 """
 
 import sys
