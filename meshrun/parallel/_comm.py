@@ -47,9 +47,10 @@ def all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def group_device(group) -> torch.device:
-    """The device a collective over ``group`` takes tensors on: this rank's CUDA device for
-    nccl, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+    """The device a collective over ``group`` takes tensors on: this rank's current CUDA
+    device for nccl (which moves only CUDA tensors), else (gloo; no process group at all, a
+    world of one) the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -80,7 +80,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.parallel import comm_hooks
-from meshrun.parallel._comm import broadcast_from_first_, launched, wait
+from meshrun.parallel._comm import broadcast_from_first_, group_device, launched, wait
 from meshrun.parallel.data_check import check_first_input
 from meshrun.parallel.heartbeat import heartbeat
 
@@ -155,7 +155,7 @@ def agree_num_batches(num_batches: int, group: dist.ProcessGroup | None = None) 
     (MIN) of one int64. Same effect as ``DistributedSampler(drop_last=True)`` when the
     per-rank counts are not known in advance; a simpler alternative to torch's ``Join``.
     """
-    device = _group_device(group)
+    device = group_device(group)
     count = torch.tensor([num_batches], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
     return int(count.item())
@@ -464,7 +464,7 @@ class _Reducer:
         n = len(self.params)
         seen = set(self.arrival_order)
         order = self.arrival_order + [i for i in reversed(range(n)) if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64, device=_group_device(self.group))
+        order_t = torch.tensor(order, dtype=torch.int64, device=group_device(self.group))
         dist.broadcast(order_t, group=self.group, group_src=0)
         self.arrival_order = []
         groups = self._assign(order_t.tolist())
@@ -482,7 +482,7 @@ class _Reducer:
             self._reset()
         if self.first_forward and torch.is_grad_enabled():
             self.first_forward = False
-            check_first_input(args, self.group, _group_device(self.group))
+            check_first_input(args, self.group, group_device(self.group))
         if self.buffers and self.sync and torch.is_grad_enabled():
             broadcast_from_first_(self.buffers, self.group, swap_data=True)
 
@@ -493,10 +493,3 @@ class _Reducer:
 
 def _key(p: torch.Tensor):
     return (p.dtype, p.device)
-
-
-def _group_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.parallel import placement as placement_record
+from meshrun.parallel._comm import group_device
 from meshrun.parallel.pipelining.actions import LOOP, stage_rank
 
 TensorOrTuple = torch.Tensor | tuple[torch.Tensor, ...]
@@ -83,7 +84,7 @@ class PipelineStage:
                              f"{home} ({rule}), but this is pipeline rank {group_rank}")
         if device is None:  # the parameters' device; without any, the group's (nccl: CUDA)
             first = next(submodule.parameters(), None)
-            device = first.device if first is not None else _group_device(group)
+            device = first.device if first is not None else group_device(group)
         self.submodule = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -242,11 +243,3 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
     return type(value).__name__
-
-
-def _group_device(group) -> torch.device:
-    """Where a parameterless stage receives: NCCL moves only CUDA tensors (on this rank's
-    current device); gloo and a world of one without a group, the CPU."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

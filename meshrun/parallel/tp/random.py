@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from meshrun.parallel._comm import group_device
+
 MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset of the tensor-parallel stream
 
 
@@ -44,7 +46,7 @@ class RNGTracker:
         self.rank = dist.get_rank(group)
         if seed is None:
             base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64,
-                                device=_group_device(group))
+                                device=group_device(group))
             dist.broadcast(base, group=group, group_src=0)
             seed = int(base.item())
         self.seed = seed + MODEL_PARALLEL_SEED_OFFSET + self.rank
@@ -87,9 +89,3 @@ class RNGTracker:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
-
-
-def _group_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
