@@ -459,36 +459,29 @@ class WorkerGroup:
         try:
             if self._reaper is not None:
                 self._reaper.watch(proc.pid)  # pgid == pid: the worker leads its own session
-            prefix = spec.prefix
             tail = StderrTail()
-            name = f"meshrun-rank{spec.global_rank}"
-            stdout = PipeForwarder(
-                out_fd,
-                log_dir / "stdout.log",
-                console=self._stdout_console if spec.console_out else None,
-                prefix=prefix,
-                filtered=out_filter.line_filter(prefix.encode())
-                if out_filter and spec.console_out
-                else None,
-                name=f"{name}-stdout",
-                label=f"rank {spec.global_rank}'s stdout",
-                max_bytes=spec.log_max_bytes,
-                notices=self._stderr_console,
-            )
-            stderr = PipeForwarder(
-                err_fd,
-                log_dir / "stderr.log",
-                console=self._stderr_console if spec.console_err else None,
-                prefix=prefix,
-                tail=tail,
-                filtered=err_filter.line_filter(prefix.encode())
-                if err_filter and spec.console_err
-                else None,
-                name=f"{name}-stderr",
-                label=f"rank {spec.global_rank}'s stderr",
-                max_bytes=spec.log_max_bytes,
-                notices=self._stderr_console,
-            )
+
+            def forwarder(fd, stream, console, shown, line_filter, **extra) -> PipeForwarder:
+                """The thread that drains one of the worker's pipes (stdout or stderr)."""
+                return PipeForwarder(
+                    fd,
+                    log_dir / f"{stream}.log",
+                    console=console if shown else None,
+                    prefix=spec.prefix,
+                    filtered=line_filter.line_filter(spec.prefix.encode())
+                    if line_filter and shown
+                    else None,
+                    name=f"meshrun-rank{spec.global_rank}-{stream}",
+                    label=f"rank {spec.global_rank}'s {stream}",
+                    max_bytes=spec.log_max_bytes,
+                    notices=self._stderr_console,
+                    **extra,
+                )
+
+            stdout = forwarder(out_fd, "stdout", self._stdout_console, spec.console_out,
+                               out_filter)  # fmt: skip
+            stderr = forwarder(err_fd, "stderr", self._stderr_console, spec.console_err,
+                               err_filter, tail=tail)  # fmt: skip
         except BaseException:
             # Not tracked yet: nothing else would ever stop this process.
             _quiet_killpg(proc.pid, _signal.SIGKILL)
@@ -503,7 +496,8 @@ class WorkerGroup:
         stdout.start()
         stderr.start()
         worker.waiter = threading.Thread(
-            target=self._wait_one, args=(worker,), name=f"{name}-waiter", daemon=True
+            target=self._wait_one, args=(worker,), name=f"meshrun-rank{spec.global_rank}-waiter",
+            daemon=True,
         )
         worker.waiter.start()
         return worker
