@@ -18,7 +18,8 @@ Parallelism: ``--pp P --tp T --cp C --dp D`` lay the world out as one mesh
   (rank r holds chunks r and 2C-1-r of 2C; positions follow), attention by ``--cp-mode``
   ``ring`` (``meshrun.parallel.ring_attention``) or ``ulysses`` (all-to-all); batches are
   split by the dp rank only, and gradients reduced over dp x cp. Composes with --tp (and
-  --sequence-parallel, which shards each rank's part further); not with --pp yet.
+  --sequence-parallel, which shards each rank's part further) and --pp (each stage's
+  attention rings between the ranks holding that stage).
 - pipeline parallelism (``--pp``, or ``--parallel pp``): the blocks split into P stages with
   ``meshrun.parallel.split_into_stages``, trained with ``--pp-schedule`` (1F1B by default)
   over ``--pp-microbatches`` microbatches; the loss equals the unsplit model's.

@@ -5,6 +5,7 @@ context parallel attention, then the pipeline split, then data parallelism), and
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,8 @@ def parallelize_lm(model, args):
         applied.append(f"cp {cp} ({args.cp_mode} attention, {CP_LAYOUT} layout)")
     schedule, stages = None, [model]
     if pp > 1:
-        schedule = apply_pp(model, mesh.group("pp"), args)
+        positions = partial(cp_positions, mesh.rank("cp"), cp) if cp > 1 else None
+        schedule = apply_pp(model, mesh.group("pp"), args, positions)
         stages = [stage.submodule for stage in schedule.stages]
         applied.append(f"pp {pp} ({args.pp_schedule}, {len(stages)} stage(s) on this rank, "
                        f"{args.pp_microbatches} microbatches)")
@@ -174,8 +176,6 @@ def cp_problem(args, n_head):
     if args.block_size % (2 * cp):
         return (f"--cp {cp}: --block-size {args.block_size} must be a multiple of {2 * cp} "
                 f"(the {CP_LAYOUT} layout cuts each sequence into 2 x cp equal chunks)")
-    if args.pp > 1:
-        return "--cp with --pp is not supported yet: use --cp with --dp and --tp"
     if args.dp_mode == "torch-ddp":
         return "--cp needs --dp-mode ddp or fsdp (torch-ddp is the pure data-parallel reference)"
     if args.cp_mode == "ulysses" and (n_head // args.tp) % cp:
@@ -184,10 +184,15 @@ def cp_problem(args, n_head):
     return None
 
 
+def cp_positions(cp_rank, cp, local_len, device):
+    """The positions of this cp rank's ``local_len`` tokens (the pipeline's first stage)."""
+    from meshrun.parallel.cp import position_ids
+
+    return position_ids(local_len * cp, cp_rank, cp, CP_LAYOUT, device=device)
+
+
 def apply_cp(model, group, mode):
     """Each block's attention: ring or Ulysses attention over the cp group, causal."""
-    from functools import partial
-
     from meshrun.parallel.cp import CP_MODES
 
     for block in model.blocks:
@@ -280,12 +285,16 @@ def apply_tp(model, group, sequence_parallel):
 
 
 class Embed(nn.Module):  # the first stage's prologue: CharLM.forward's embedding line
-    def __init__(self, lm):
+    def __init__(self, lm, positions=None):
         super().__init__()
         self.tok_emb, self.pos_emb = lm.tok_emb, lm.pos_emb
+        self.positions = positions  # --cp: (local length, device) -> this rank's positions
 
     def forward(self, idx):
-        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        t = idx.shape[1]
+        pos = self.positions(t, idx.device) if self.positions else torch.arange(
+            t, device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(pos)
 
 
 class LMHead(nn.Module):  # the last stage's epilogue: final norm and head -> logits
@@ -305,14 +314,16 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule in ("interleaved1f1b", "zbv") else 1
 
 
-def apply_pp(model, group, args):
-    """Split the model into stages; return the schedule of this rank's stages."""
+def apply_pp(model, group, args, positions=None):
+    """Split the model into stages; return the schedule of this rank's stages. ``positions``:
+    how the first stage finds its tokens' positions under --cp (see `Embed`)."""
     from functools import partial
 
     from meshrun.parallel.pipelining import pipeline, split_into_stages
 
     n_stages = args.pp * stages_per_rank(args.pp_schedule)
-    stages = split_into_stages(model.blocks, n_stages, first=Embed(model), last=LMHead(model))
+    stages = split_into_stages(model.blocks, n_stages, first=Embed(model, positions),
+                               last=LMHead(model))
     return pipeline(stages, group, schedule=args.pp_schedule,
                     n_microbatches=args.pp_microbatches,
                     loss_fn=partial(lm_loss, loss_fn=model.loss_fn))  # --tp: vocab-parallel
@@ -328,6 +339,7 @@ def forward_backward(par, batches, global_batch, device):
     microbatch only."""
     if par.schedule is not None:  # --pp: the schedule's microbatches are the accumulation
         (x, y), = batches
+        x, y, _ = par.shard(x, y)  # --cp: the first stage's Embed knows the positions
         losses = []
         par.schedule.step(x.to(device), target=y.to(device), losses=losses,
                           return_outputs=False)

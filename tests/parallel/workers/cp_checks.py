@@ -136,6 +136,20 @@ def check_char_lm_fsdp(ctx):
         model_parity(pp=1, tp=1, dp=1, mode="fsdp", cp=2, cp_mode="ulysses")
 
 
+def check_char_lm_pp(ctx):
+    """--cp under a pipeline (the first stage's Embed takes the cp positions, each stage's
+    ring runs between the ranks holding it), against the unsplit model: 2 ranks: pp 2 is all
+    there is, so cp 2 alone with Ulysses; 4 ranks: pp 2 x cp 2 (1F1B, ring) with ddp."""
+    from tests.parallel.workers.compose_checks import parity as model_parity
+
+    if dist.get_world_size() == 4:
+        model_parity(pp=2, tp=1, dp=1, mode="ddp", cp=2, cp_mode="ring")
+        model_parity(pp=2, tp=1, dp=1, mode="fsdp", cp=2, cp_mode="ulysses",
+                     schedule="gpipe")
+    else:
+        model_parity(pp=1, tp=1, dp=1, mode="ddp", cp=2, cp_mode="ulysses")
+
+
 def check_sdpa_routing(ctx):
     """Inside context_parallel_attention, F.scaled_dot_product_attention on shards is CP
     attention (parity with full SDPA, through the example model's own SDPA call site);
@@ -202,4 +216,5 @@ if __name__ == "__main__":
     run_checks([check_ring_zigzag, check_ring_contiguous, check_ring_matmul_blocks,
                 check_ulysses_zigzag,
                 check_ulysses_contiguous, check_subgroup, check_flat_group,
-                check_char_lm_ddp, check_char_lm_fsdp, check_sdpa_routing, check_layouts, check_errors])
+                check_char_lm_ddp, check_char_lm_fsdp, check_char_lm_pp,
+                check_sdpa_routing, check_layouts, check_errors])
