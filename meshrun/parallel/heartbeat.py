@@ -17,7 +17,8 @@ slot  meaning
 Slots 0 and 1 are progress; 2-4 tell the agent where a stalled rank is (waiting in a
 collective, or behind the others in collectives issued) and how much of each step a rank spends
 waiting for its peers (a straggler waits least). Without the variable (plain python, torchrun)
-all of it does nothing.
+all of it does nothing; nor inside a ``torch.compile`` trace (collectives traced into a graph,
+TP's in a compiled block, are not counted: an mmap cannot be traced).
 
 `register_stack_dump()` (called by ``meshrun.parallel.init()``) arms Python's ``faulthandler``
 on ``MESHRUN_STACK_SIGNAL`` to write every thread's stack to ``MESHRUN_STACK_FILE``, which the
@@ -34,6 +35,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+
+import torch
 
 #: Bytes of the progress file: five uint64 slots (see the module docstring).
 PROGRESS_BYTES = 40
@@ -125,6 +128,8 @@ def _bump(offset: int, delta: int) -> None:
 
 def _channel() -> mmap.mmap | None:
     global _progress
+    if torch.compiler.is_compiling():  # inside a torch.compile trace (a TP collective in a
+        return None  # compiled block): an mmap is not traceable; the counters skip it
     if _progress is None:
         _progress = _open_progress()
     return _progress or None
