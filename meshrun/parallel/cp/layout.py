@@ -23,7 +23,8 @@ import torch
 LAYOUTS = ("zigzag", "contiguous")
 
 
-def check_layout(layout: str, seq_len: int, cp: int, *, what: str = "sequence") -> None:
+def check_layout(layout: str, seq_len: int, cp: int, *, what: str = "sequence",
+                 detail: str = "") -> None:
     """Raise ValueError unless ``layout`` is known and splits ``seq_len`` tokens over ``cp``
     ranks (zigzag: ``seq_len`` a multiple of 2 cp; contiguous: of cp)."""
     if layout not in LAYOUTS:
@@ -32,9 +33,9 @@ def check_layout(layout: str, seq_len: int, cp: int, *, what: str = "sequence") 
     parts = n_chunks(layout, cp)
     if seq_len % parts:
         raise ValueError(
-            f"context parallel: a {what} of {seq_len} tokens cannot be split in the {layout} "
-            f"layout over {cp} ranks ({parts} equal chunks); use a length that is a multiple "
-            f"of {parts} (pad the sequence){_other_layout_hint(layout, seq_len, cp)}")
+            f"context parallel: a {what} of {seq_len} tokens{detail} cannot be split in the "
+            f"{layout} layout over {cp} ranks ({parts} equal chunks); use a length that is a "
+            f"multiple of {parts} (pad the sequence){_other_layout_hint(layout, seq_len, cp)}")
 
 
 def n_chunks(layout: str, cp: int) -> int:

@@ -104,8 +104,7 @@ def check_attention_inputs(name, q, k, v, cp, layout, attn_mask, dropout_p) -> N
     if layout not in LAYOUTS:
         check_layout(layout, 0, cp)  # the unknown-layout error
     local = q.shape[2]
-    check_layout(layout, local * cp, cp,
-                 what=f"sequence ({local} tokens per rank x {cp} ranks)")
+    check_layout(layout, local * cp, cp, detail=f" ({local} per rank x {cp} ranks)")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
