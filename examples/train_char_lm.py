@@ -28,7 +28,9 @@ Parallelism: ``--pp P --tp T --cp C --dp D`` lay the world out as one mesh
   reference; pure data parallelism only). ``--parallel ddp|fsdp|torch-ddp`` = ``--dp-mode``.
   With ``ddp``, ``--comm-hook fp16|bf16|powersgd`` reduces gradients through that
   communication hook (``meshrun.parallel.comm_hooks``; PowerSGD at ``--powersgd-rank`` from
-  step ``--powersgd-start``, its state saved in the checkpoint).
+  step ``--powersgd-start``, its state saved in the checkpoint); with ``fsdp``, ``--offload``
+  keeps shards, gradients and optimizer state in host memory. ``--compile`` compiles each
+  block's forward (``torch.compile``, fullgraph) after the strategies are applied.
 
 Data and batch (the rule that keeps training the same across a resize): the text is cut into
 non-overlapping windows of ``--block-size`` + 1 characters; each epoch visits all of them once,
@@ -115,6 +117,12 @@ def parse_args(argv=None):
                    "matrix_approximation_rank")
     p.add_argument("--powersgd-start", type=int, default=10, help="with --comm-hook powersgd: "
                    "start_powerSGD_iter (plain all-reduce for the first steps)")
+    p.add_argument("--offload", action="store_true", help="with --dp-mode fsdp: shards, "
+                   "gradients and optimizer state in host memory (CPUOffloadPolicy)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block's "
+                   "forward (fullgraph) after the strategies are applied")
+    p.add_argument("--compile-backend", default="inductor", help="with --compile: e.g. "
+                   "inductor, aot_eager")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: "
                    "world size / (pp x cp x tp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron-style)")

@@ -84,6 +84,8 @@ def parallelize_lm(model, args):
         wrapped = apply_torch_ddp(model) if distributed and dp > 1 else model
         if dp > 1:
             applied.append(f"torch DistributedDataParallel over {dp} ranks")
+        if args.compile:
+            applied.append(apply_compile([model], args.compile_backend))
         if applied:
             _say("parallelize: " + "; ".join(applied))
         return Parallel(lm=model, model=wrapped, modules=model, schedule=None, mesh=None,
@@ -110,17 +112,20 @@ def parallelize_lm(model, args):
         hook_states = []
         for module in stages:
             if args.dp_mode == "fsdp":
-                apply_fsdp(module, group)
+                apply_fsdp(module, group, offload=args.offload)
             else:
                 apply_ddp(module, group)
                 hook_states += apply_comm_hook(module, group, args)
         over = f"dp {dp} x cp {cp}" if cp > 1 else f"dp {dp}"
         applied.append(f"{args.dp_mode} over {over}" + (" (a unit per block, then the rest)"
-                                                        if args.dp_mode == "fsdp" else ""))
+                                                        if args.dp_mode == "fsdp" else "")
+                       + (", CPU offload" if args.offload else ""))
         if args.comm_hook != "none":
             applied.append(f"comm hook {args.comm_hook}" + (
                 f" (rank {args.powersgd_rank} from step {args.powersgd_start})"
                 if args.comm_hook == "powersgd" else ""))
+    if args.compile:
+        applied.append(apply_compile(stages, args.compile_backend))
     _say(f"parallelize: mesh {dict(zip(mesh.axes, (pp, dp, cp, tp), strict=True))}: "
          + ("; ".join(applied) or "nothing to apply"))
     return Parallel(lm=model, model=model, modules=nn.ModuleList(stages) if pp > 1 else model,
@@ -149,6 +154,8 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
             return problem
     if args.sequence_parallel and tp == 1:
         return "--sequence-parallel needs --tp > 1"
+    if getattr(args, "offload", False) and args.dp_mode != "fsdp":
+        return "--offload is fully_shard's CPU offload: use it with --dp-mode fsdp"
     if getattr(args, "comm_hook", "none") != "none" and args.dp_mode != "ddp":
         return (f"--comm-hook {args.comm_hook} is a hook of meshrun's ddp: use it with "
                 f"--dp-mode ddp (not {args.dp_mode})")
@@ -228,13 +235,24 @@ def apply_comm_hook(module, group, args):
     return []
 
 
-def apply_fsdp(module, group):
-    """One unit per block, then the module (the stage or CharLM: embeddings, norm, head)."""
-    from meshrun.parallel import fully_shard
+def apply_fsdp(module, group, offload=False):
+    """One unit per block, then the module (the stage or CharLM: embeddings, norm, head);
+    ``offload``: shards, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
+    from meshrun.parallel import CPUOffloadPolicy, fully_shard
 
+    policy = CPUOffloadPolicy() if offload else None
     for block in module.blocks.children():  # CharLM: nn.Sequential; a stage: nn.ModuleDict
-        fully_shard(block, group)
-    fully_shard(module, group)  # the optimizer steps on the shards the parameters now hold
+        fully_shard(block, group, offload_policy=policy)
+    fully_shard(module, group, offload_policy=policy)  # the optimizer steps on these shards
+
+
+def apply_compile(modules, backend):
+    """torch.compile each block's forward (fullgraph), after the strategies: their module
+    hooks stay eager around the graph (torchtitan's per-block compile)."""
+    for module in modules:
+        for block in module.blocks.children():
+            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+    return f"torch.compile per block ({backend})"
 
 
 # -------------------------------------------------------------------------------------------
