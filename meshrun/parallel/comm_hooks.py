@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel._comm import all_reduce_, launched, wait
+from meshrun.parallel._comm import all_reduce_, group_device, launched, wait
 from meshrun.parallel.heartbeat import blocked
 
 __all__ = ["GradBucket", "Pending", "PowerSGDState", "allreduce_hook", "bf16_compress_hook",
@@ -318,9 +318,7 @@ class PowerSGDState:
     def _device(self) -> torch.device:
         for t in (*self.error_dict.values(), *self.q_memory_dict.values()):
             return t.device
-        if dist.is_initialized() and dist.get_backend(self.process_group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return group_device(self.process_group) if dist.is_initialized() else torch.device("cpu")
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
