@@ -413,7 +413,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
         for p in ps:
             _orthogonalize(p, state.orthogonalization_epsilon)
         for (_, matrix, _), p, q in zip(compress, ps, qs, strict=True):
-            torch.matmul(matrix.t(), p, out=q)
+            # Q = M^T P as (P^T M)^T: a row-major M read in its own order (on CPU, M^T P, as
+            # torch's bmm, is several times slower for large M)
+            q.copy_(torch.matmul(p.t(), matrix).t())
         all_reduce_(q_flat, group).div_(world)
         for (name, matrix, _), p, q in zip(compress, ps, qs, strict=True):
             torch.matmul(p, q.t(), out=matrix)
