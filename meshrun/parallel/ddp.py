@@ -344,7 +344,7 @@ class _Reducer:
         if bucket.pending == 0:
             while (self.next_bucket < len(self.buckets)
                    and self.buckets[self.next_bucket].pending == 0):
-                self._launch(self.buckets[self.next_bucket])
+                self._launch(self.next_bucket)
                 self.next_bucket += 1
 
     def _into_slot(self, bucket: _Bucket, slot: int) -> bool:
@@ -392,10 +392,10 @@ class _Reducer:
         bucket.buffer = grad
         return True
 
-    def _launch(self, bucket: _Bucket) -> None:
-        """Hand the full bucket (local gradients) to the comm hook; the next bucket in order
-        is launched only after this one, on every rank alike."""
-        index = self.buckets.index(bucket)
+    def _launch(self, index: int) -> None:
+        """Hand full bucket ``index`` (local gradients) to the comm hook; the next bucket in
+        order is launched only after this one, on every rank alike."""
+        bucket = self.buckets[index]
         params = [self.params[i] for i in bucket.params]
         views = [bucket.buffer.view_as(params[0])] if bucket.direct else bucket.views
         bucket.hook_bucket = comm_hooks.GradBucket(
@@ -441,8 +441,8 @@ class _Reducer:
             b, slot = self.location[i]
             has_grad = self.arrived[i] or self._into_slot(self.buckets[b], slot)
             self.local_used[i] = int(has_grad)
-        for bucket in self.buckets[self.next_bucket:]:
-            self._launch(bucket)
+        for index in range(self.next_bucket, len(self.buckets)):
+            self._launch(index)
         self.next_bucket = len(self.buckets)
         return launched(dist.all_reduce(self.local_used, group=self.group, async_op=True))
 
