@@ -12,7 +12,7 @@ from harness import launch
 
 CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ring_matmul_blocks",
           "check_ulysses_zigzag",
-          "check_ulysses_contiguous", "check_subgroup", "check_flat_group", "check_char_lm_ddp",
+          "check_ulysses_contiguous", "check_bfloat16", "check_subgroup", "check_flat_group", "check_char_lm_ddp",
           "check_char_lm_fsdp", "check_char_lm_pp", "check_sdpa_routing", "check_layouts", "check_errors"]
 
 

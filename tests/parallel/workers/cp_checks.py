@@ -89,6 +89,29 @@ def check_ulysses_contiguous(ctx):
     parity(ulysses_attention, "contiguous")
 
 
+def check_bfloat16(ctx):
+    """bf16 shards (the ring accumulates in fp32, its dK/dV travel in fp32): within bf16's
+    rounding (2e-2 relative) of full fp32 SDPA on the same values; output and grads stay bf16."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(B, H, 32, D, generator=gen).bfloat16().float()
+                     for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = SDPA(*full, is_causal=True)
+    ref.backward(dout)
+    for attention in (ring_attention, ulysses_attention):
+        mine = [shard_sequence(t, rank, cp, "zigzag", dim=2).bfloat16().requires_grad_()
+                for t in (q, k, v)]
+        out = attention(*mine, causal=True, layout="zigzag")
+        out.backward(shard_sequence(dout, rank, cp, "zigzag", dim=2).bfloat16())
+        assert out.dtype == mine[0].grad.dtype == torch.bfloat16
+        for got, want in [(out, ref)] + [(t.grad, f.grad) for t, f in zip(mine, full,
+                                                                          strict=True)]:
+            err = rel_err(got.detach().float(), shard_sequence(want.detach(), rank, cp,
+                                                               "zigzag", dim=2))
+            assert err < 2e-2, f"{attention.__name__}: relative error {err:.2e}"
+
+
 def check_subgroup(ctx):
     """A cp group inside a {"dp", "cp"} mesh (peers are global ranks): each dp row its own
     data; 2 ranks: the mesh is {"dp": 1, "cp": 2}."""
@@ -215,6 +238,6 @@ def check_errors(ctx):
 if __name__ == "__main__":
     run_checks([check_ring_zigzag, check_ring_contiguous, check_ring_matmul_blocks,
                 check_ulysses_zigzag,
-                check_ulysses_contiguous, check_subgroup, check_flat_group,
+                check_ulysses_contiguous, check_bfloat16, check_subgroup, check_flat_group,
                 check_char_lm_ddp, check_char_lm_fsdp, check_char_lm_pp,
                 check_sdpa_routing, check_layouts, check_errors])
