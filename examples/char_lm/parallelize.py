@@ -185,6 +185,9 @@ def cp_problem(args, n_head):
                 f"(the {CP_LAYOUT} layout cuts each sequence into 2 x cp equal chunks)")
     if args.dp_mode == "torch-ddp":
         return "--cp needs --dp-mode ddp or fsdp (torch-ddp is the pure data-parallel reference)"
+    if getattr(args, "compile", False):
+        return ("--cp with --compile is not supported yet: a block compiled whole (fullgraph) "
+                "cannot trace the ring's or the all-to-all's communication; drop --compile")
     if args.cp_mode == "ulysses" and (n_head // args.tp) % cp:
         return (f"--cp-mode ulysses: --cp {cp} must divide the {n_head // args.tp} attention "
                 f"heads per tensor-parallel rank; use --cp-mode ring")

@@ -11,9 +11,10 @@ import pytest
 from harness import launch
 
 CHECKS = ["check_ring_zigzag", "check_ring_contiguous", "check_ring_matmul_blocks",
-          "check_ulysses_zigzag",
-          "check_ulysses_contiguous", "check_bfloat16", "check_subgroup", "check_flat_group", "check_char_lm_ddp",
-          "check_char_lm_fsdp", "check_char_lm_pp", "check_sdpa_routing", "check_layouts", "check_errors"]
+          "check_ulysses_zigzag", "check_ulysses_contiguous", "check_bfloat16",
+          "check_subgroup", "check_flat_group", "check_char_lm_ddp", "check_char_lm_fsdp",
+          "check_char_lm_pp", "check_sdpa_routing", "check_layouts", "check_errors",
+          "check_example_refusals"]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])

@@ -235,9 +235,27 @@ def check_errors(ctx):
     expect_error(lambda: ring_attention(q, q, q, dropout_p=0.1), "dropout_p")
 
 
+def check_example_refusals(ctx):
+    """The example's --cp flags it cannot run: one line naming the fix each."""
+    import char_lm as lm
+    import train_char_lm as train
+
+    for flags, fragment in [
+        (dict(block_size=30), "--block-size 30 must be a multiple of 4"),
+        (dict(cp_mode="ulysses"), "must divide the 3 attention heads"),
+        (dict(dp_mode="torch-ddp"), "--cp needs --dp-mode ddp or fsdp"),
+        (dict(compile=True), "drop --compile"),
+    ]:
+        args = train.parse_args([])
+        vars(args).update(cp=2, **flags)
+        problem = lm.layout_problem(args, ctx.world_size, n_head=3)
+        assert problem and fragment in problem, f"{fragment!r} not in {problem!r}"
+
+
 if __name__ == "__main__":
     run_checks([check_ring_zigzag, check_ring_contiguous, check_ring_matmul_blocks,
                 check_ulysses_zigzag,
                 check_ulysses_contiguous, check_bfloat16, check_subgroup, check_flat_group,
                 check_char_lm_ddp, check_char_lm_fsdp, check_char_lm_pp,
-                check_sdpa_routing, check_layouts, check_errors])
+                check_sdpa_routing, check_layouts, check_errors,
+                check_example_refusals])
