@@ -1,9 +1,11 @@
-"""meshrun.parallel.cp (context parallelism) on real 2- and 4-process gloo groups: ring and
-Ulysses attention against full attention in one process (output, dq, dk, dv), causal and not,
-zigzag and contiguous layouts, float32 and float64; a cp group inside a dp x cp mesh and the
-flattened dp x cp group; the example's CharLM with --cp under ddp and fsdp (and tp x cp with
-and without sequence parallelism, dp x cp on 4 ranks) against the unsplit model (loss, gradients, parameters, clip norm); SDPA calls
-routed by context_parallel_attention; the layouts;
+"""meshrun.parallel.cp (context parallelism) on real 2- and 4-process gloo groups.
+
+Ring and Ulysses attention against full SDPA in one process (output, dq, dk, dv), causal and
+not, zigzag and contiguous layouts, float32 and float64 (the ring's fused CPU blocks and its
+matmul blocks), bf16; a cp group inside a dp x cp mesh and the flattened dp x cp group; the
+example's CharLM under its parallelize_lm with --cp against the unsplit model (loss, gradients,
+parameters, clip norm): cp x ddp, cp x fsdp, and on 4 ranks tp x cp (with and without sequence
+parallelism), dp x cp, pp x cp; SDPA calls routed by context_parallel_attention; the layouts;
 the refusals. One launch per world size runs every check in workers/cp_checks.py.
 """
 
