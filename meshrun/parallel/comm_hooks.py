@@ -373,7 +373,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     if flat_plain is not None:
         flat_plain.div_(world)
         works.append(launched(dist.all_reduce(flat_plain, group=group, async_op=True)))
-    if not compress:
+    if not compress:  # nothing worth compressing in this bucket (biases, norms only)
+        state.maybe_increase_iter(bucket)
         return Pending(works, lambda: _unpack(flat_plain, plain, buffer))
 
     if state.use_error_feedback:

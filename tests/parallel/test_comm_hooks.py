@@ -8,7 +8,8 @@ import pytest
 from harness import launch
 
 CHECKS = ["check_compress_hooks", "check_powersgd_rank1_exact", "check_powersgd_matches_torch",
-          "check_powersgd_checkpoint", "check_hook_contract"]
+          "check_powersgd_checkpoint",
+          "check_powersgd_counts_steps_at_an_uncompressed_last_bucket", "check_hook_contract"]
 
 
 @pytest.fixture(scope="module")

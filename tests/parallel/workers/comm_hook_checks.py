@@ -248,6 +248,32 @@ def check_powersgd_checkpoint(ctx):
                 "the resumed run without the hook's state must differ"
 
 
+class ScaledMLP(MLP):
+    """The input scaled by a 1-D parameter first: its gradient arrives last, alone in the last
+    of one-parameter buckets, with nothing PowerSGD compresses."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
+
+
+def check_powersgd_counts_steps_at_an_uncompressed_last_bucket(ctx):
+    torch.manual_seed(0)
+    model = ddp(ScaledMLP(), bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook)
+    for step in range(5):
+        x, y = data(step)
+        mse(model(my_slice(x, ctx.rank, 2)), my_slice(y, ctx.rank, 2)).backward()
+        assert state.iter == step + 1, (step, state.iter)
+    last = model._meshrun_ddp.buckets[-1]
+    assert [model._meshrun_ddp.names[i] for i in last.params] == ["scale"], last.params
+    assert state.error_dict, "nothing was compressed"
+
+
 def check_hook_contract(ctx):
     """A hook returning a plain tensor works; wrong results and a second hook are errors."""
     def mean_by_hand(group, bucket):
@@ -282,7 +308,8 @@ def check_hook_contract(ctx):
 
 
 CHECKS = [check_compress_hooks, check_powersgd_rank1_exact, check_powersgd_matches_torch,
-          check_powersgd_checkpoint, check_hook_contract]
+          check_powersgd_checkpoint, check_powersgd_counts_steps_at_an_uncompressed_last_bucket,
+          check_hook_contract]
 
 
 def main():
