@@ -43,6 +43,7 @@ This module imports only the standard library: workers load it by path at start-
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -101,6 +102,9 @@ class Recorder:
         self._done = threading.Event()
         self._last = b""
         self._names: dict[str, str] = {}  # group name -> its member ranks ("0-3")
+        self._live: set[tuple[int, str]] = set()  # the groups at the last look
+        self._seen = -1  # the newest ring entry (record_id) at the last look
+        self._cutoff = -1  # entries up to this one belong to destroyed groups
         self._thread = threading.Thread(target=self._run, name="meshrun-collective-record",
                                         daemon=True)  # fmt: skip
 
@@ -132,19 +136,36 @@ class Recorder:
             dump = _dump_fr_trace_json(True, False)
             if dump == self._last:
                 return False
-            record = make_record(json.loads(dump), self._group_ranks(dist))
-            tmp = f"{self.path}.{os.getpid()}.tmp"
+            ring = json.loads(dump)
+            record = make_record(ring, self._group_ranks(dist, ring), self._cutoff)
+        except Exception:  # noqa: BLE001 - no record then (the report goes without its line)
+            return False
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
             with open(tmp, "w") as f:
                 json.dump(record, f, separators=(",", ":"))
             os.replace(tmp, self.path)
-            self._last = dump
-            return True
-        except Exception:  # noqa: BLE001 - a missing record is reported as such, later
+        except OSError:  # a full log disk: the worker must not notice; tried again later
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             return False
+        self._last = dump
+        return True
 
-    def _group_ranks(self, dist) -> dict[str, str]:
-        """Each process group's name (as torch's ring names it) -> its member ranks."""
+    def _group_ranks(self, dist, ring: dict) -> dict[str, str]:
+        """Each live process group's name (as torch's ring names it) -> its member ranks.
+
+        A group destroyed since the last look (``destroy_process_group()``, then perhaps a new
+        ``init_process_group``, whose default group is named "0" again) ends the old calls:
+        the ring outlives the groups, so its entries up to the last look are left out from
+        then on (``self._cutoff``), and the member lists are found again."""
         world = dist.distributed_c10d._world
+        live = {(id(pg), name) for pg, name in list(world.pg_names.items())}
+        if self._live - live:
+            self._cutoff, self._names = self._seen, {}
+        self._live = live
+        self._seen = max((int(e.get("record_id", -1)) for e in ring.get("entries", [])),
+                         default=self._seen)  # fmt: skip
         for pg, name in list(world.pg_names.items()):
             if name not in self._names:
                 try:
@@ -154,10 +175,11 @@ class Recorder:
         return self._names
 
 
-def make_record(dump: dict, group_ranks: dict[str, str]) -> dict:
+def make_record(dump: dict, group_ranks: dict[str, str], cutoff: int = -1) -> dict:
     """Turn torch's flight-recorder dump (``_dump_fr_trace_json``) into the record file's shape:
     ``{"pid", "written_ms", "groups": {name: {"ranks", "issued", "done"}}, "calls": [...]}``,
-    each call ``{"group", "seq", "op", "args", "issued_ms"}``, oldest first, p2p left out.
+    each call ``{"group", "seq", "op", "args", "issued_ms"}``, oldest first, p2p and the
+    entries up to ``cutoff`` (``record_id``: calls of groups destroyed since) left out.
 
     ``issued``/``done`` are the last sequence numbers issued and completed in the group (0:
     none). Groups are keyed by their global name (torch's ``pg_id`` is a per-process index and
@@ -167,6 +189,8 @@ def make_record(dump: dict, group_ranks: dict[str, str]) -> dict:
     id_to_name: dict[str, str] = {}
     calls = []
     for e in dump.get("entries", []):
+        if int(e.get("record_id", 0)) <= cutoff:
+            continue
         name = str(e.get("process_group", ["?"])[0])
         if name == "" and str(e.get("pg_id")) == "0":
             name = "0"  # a desync check's wrapper leaves names empty; 0 is the default group
@@ -258,9 +282,9 @@ class Call:
 
 #: Ops whose arguments have the same shapes and dtypes on every rank (as torch's flight
 #: recorder writes them). Others may differ by design: the root's list in ``scatter`` and
-#: ``gather``, the splits of ``all_to_all``.
-SAME_ARGS = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
-                       "barrier", "_allgather_base", "_reduce_scatter_base"})  # fmt: skip
+#: ``gather``, the splits of ``all_to_all``, an uneven ``all_gather`` or ``reduce_scatter``
+#: of lists (NCCL allows them; the ring names the flat variants the same).
+SAME_ARGS = frozenset({"all_reduce", "broadcast", "reduce", "barrier"})
 
 
 @dataclass(frozen=True)
@@ -355,7 +379,8 @@ class Disagreement:
 
 
 def first_disagreement(
-    records: dict[int, Record], sites: dict[int, str] | None = None
+    records: dict[int, Record], sites: dict[int, str] | None = None,
+    died: frozenset[int] | set[int] = frozenset(),
 ) -> Disagreement | None:
     """Where the ranks' collectives first disagree (see the module docstring), or None.
 
@@ -363,6 +388,10 @@ def first_disagreement(
         records: global rank -> its record (ranks without one are left out of the comparison).
         sites: global rank -> where a rank that waits (or died) inside a collective is
             ("train.py:13 in step"), shown beside its latest call.
+        died: ranks that failed on their own outside a collective's error (killed by a
+            signal, an exception in their own code): their last call was not a wait for the
+            others, so nobody is "behind" them (a rank SIGKILLed inside call n does not make
+            the ranks that had not reached n yet the cause).
 
     A mismatch in any group comes before a rank behind; among several, the lowest call
     number of the group listed first.
@@ -374,7 +403,7 @@ def first_disagreement(
         if found is not None:
             return found
     for name in names:
-        found = _behind(name, records, sites)
+        found = _behind(name, records, sites, died)
         if found is not None:
             return found
     return None
@@ -408,7 +437,9 @@ def _mismatch(name: str, records: dict[int, Record], sites: dict[int, str]) -> D
     return None
 
 
-def _behind(name: str, records: dict[int, Record], sites: dict[int, str]) -> Disagreement | None:
+def _behind(
+    name: str, records: dict[int, Record], sites: dict[int, str], died=frozenset()
+) -> Disagreement | None:
     members = {r: rec for r, rec in records.items() if name in rec.groups}
     group_ranks = next(iter(members.values())).groups[name].ranks if members else ()
     # members that never issued a call in the group have no status for it: issued 0
@@ -421,7 +452,7 @@ def _behind(name: str, records: dict[int, Record], sites: dict[int, str]) -> Dis
     # call counts as completed in torch's ring)
     waiting = sorted(
         r for r, n in issued.items()
-        if n == front and (records[r].groups[name].done < front or r in sites)
+        if n == front and r not in died and (records[r].groups[name].done < front or r in sites)
     )  # fmt: skip
     behind = sorted(r for r, n in issued.items() if n < front)
     if not waiting or not behind:
@@ -461,13 +492,14 @@ _TORCH_OPS = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "REDUCE_SCAT
 
 def desync_call(text: str) -> tuple[int, Call] | None:
     """The raising rank and the call it made, from torch's fingerprint-mismatch error in
-    ``text`` (a message or traceback), or None. Its number counts from 1, as the record's."""
+    ``text`` (a message or traceback), or None. Its number counts from 1, as the record's,
+    within its process group, which torch's message does not name (group "?")."""
     m = _FINGERPRINT.search(text)
     if m is None:
         return None
     op = _TORCH_OPS.get(m["op"], m["op"].lower())
     args = f"{m['dtype'].lower()}{m['shape']}" if m["shape"] and m["dtype"] else ""
-    return int(m["rank"]), Call("0", int(m["seq"]) + 1, op, args, False)
+    return int(m["rank"]), Call("?", int(m["seq"]) + 1, op, args, False)
 
 
 def desync_line(calls: dict[int, Call], sites: dict[int, str]) -> str:
@@ -483,7 +515,8 @@ def desync_line(calls: dict[int, Call], sites: dict[int, str]) -> str:
 
 
 def _call_text(c: Call) -> str:
-    return f"{c.op} #{c.seq}" + (f" ({c.args})" if c.args else "")
+    group = " of its group" if c.group == "?" else ""
+    return f"{c.op} #{c.seq}{group}" + (f" ({c.args})" if c.args else "")
 
 
 def _site(ranks: list[int], sites: dict[int, str], records: dict[int, Record], call: Call) -> str:

@@ -306,7 +306,7 @@ def disagreement(failures: Iterable[WorkerFailure]):
     from meshrun.agent.collectives import first_disagreement, from_summary
     from meshrun.agent.stacks import Whereabouts, classify, traceback_frames
 
-    records, sites = {}, {}
+    records, sites, died = {}, {}, set()
     for f in failures:
         record = from_summary(f.calls)
         if record is None or f.global_rank in records:
@@ -316,7 +316,9 @@ def disagreement(failures: Iterable[WorkerFailure]):
             classify(traceback_frames(f.traceback)))  # fmt: skip
         if where.state == "waiting" and where.at:
             sites[f.global_rank] = where.at.split(" (inside ")[0]
-    return first_disagreement(records, sites) if len(records) > 1 else None
+        elif not f.stopped and f.source != "stack":  # a signal, or its own code's error
+            died.add(f.global_rank)
+    return first_disagreement(records, sites, died) if len(records) > 1 else None
 
 
 def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: job failed") -> str:

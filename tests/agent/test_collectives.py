@@ -210,3 +210,67 @@ def test_desync_call_reads_the_raising_ranks_own_fingerprint():
                              "but Rank 1 ...")  # fmt: skip
     assert (rank, call.op, call.seq, call.args) == (0, "barrier", 2, "")
     assert desync_call("RuntimeError: Timed out waiting 4000ms for recv") is None
+
+
+def test_a_rank_that_died_by_itself_inside_a_call_makes_nobody_behind():
+    # rank 0 was SIGKILLed inside all_reduce #2 (the OOM killer); rank 1, slower, had not
+    # reached it yet: rank 1 is not the cause (the breaker's find)
+    records = {0: _record([AR, AR], done=1), 1: _record([AR], done=1)}
+    assert first_disagreement(records).culprits == (1,)  # as if rank 0 still waited
+    assert first_disagreement(records, died={0}) is None
+
+
+def test_uneven_gathers_are_compared_by_op_only():
+    records = {0: _record([("all_gather", "float[3]")]), 1: _record([("all_gather", "float[5]")])}
+    assert first_disagreement(records) is None
+    records[1] = _record([("all_reduce", "float[5]")])
+    assert first_disagreement(records).line.startswith("in group 0, ")
+
+
+def test_entries_of_destroyed_groups_are_left_out():
+    dump = {"entries": [{**_entry(0, "0", 1, "barrier", sizes=()), "record_id": 0},
+                        {**_entry(0, "0", 2, "barrier", sizes=()), "record_id": 1},
+                        {**_entry(2, "0", 1, "all_reduce"), "record_id": 2}],
+            "pg_status": {"0": _status(2, 2), "2": _status(1, 0)}}  # fmt: skip
+    record = make_record(dump, {"0": "0-1"}, cutoff=1)
+    assert [(c["seq"], c["op"]) for c in record["calls"]] == [(1, "all_reduce")]
+    assert record["groups"] == {"0": {"ranks": "0-1", "issued": 1, "done": 0}}
+
+
+def test_desync_line_names_the_call_within_its_own_group():
+    from meshrun.agent.collectives import desync_line
+
+    _, call = desync_call(TORCH_MISMATCH)
+    assert desync_line({1: call}, {1: "t.py:3 in f"}) == (
+        "rank 1 called all_reduce #2 of its group (float[4]) at t.py:3 in f, which another "
+        "rank did not (torch's fingerprint check, --desync-check)")
+
+
+def test_recorder_leaves_out_the_calls_of_a_destroyed_group(tmp_path, monkeypatch):
+    """A real gloo group of one, in this process: two calls, destroy, init again, one call;
+    the record then holds the new group's call only (the ring outlives the group)."""
+    import torch
+    import torch.distributed as dist
+    from conftest import free_port
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    path = tmp_path / "collectives.json"
+    recorder = Recorder(str(path))
+    init = dict(backend="gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(**init)
+    try:
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+        assert recorder.write_once()
+        assert [c.op for c in read_record(path).calls] == ["all_reduce", "barrier"]
+        dist.destroy_process_group()
+        init["init_method"] = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(**init)
+        dist.all_reduce(torch.ones(3))
+        assert recorder.write_once()
+        record = read_record(path)
+        assert [(c.seq, c.op, c.args) for c in record.calls] == [(1, "all_reduce", "float[3]")]
+        assert record.groups["0"].issued == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
