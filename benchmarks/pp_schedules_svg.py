@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/pp_schedules_svg.py [--ranks 4] [--microbatches 8]
                                                     [--chunks 2] [-o pp_schedules.html]
 
-Simulates GPipe, 1F1B and interleaved 1F1B (``--chunks`` stages per rank) with forward = 1 and
-backward = 2 cost units (no message delay) and writes one self-contained HTML page with one
+Simulates GPipe, 1F1B, interleaved 1F1B (``--chunks`` stages per rank) and the zero-bubble
+ZB-H1 and ZB-V (two stages per rank in a V) with forward = 1 and backward = 2 cost units per
+stage, the split ones as B = W = 1 (no message delay) and writes one self-contained HTML page with one
 picture per schedule (`meshrun.launcher.timeline.schedule_svg`: the same kind of lane chart as
 ``meshrun timeline``), one lane per pipeline rank, each action a bar labelled with its kind and
 microbatch. Prints each schedule's makespan and bubble next to the textbook formula. A
@@ -27,6 +28,9 @@ from meshrun.parallel.pipelining import (  # noqa: E402
     interleaved_1f1b_order,
     one_f_one_b_order,
     simulate,
+    zb_h1_order,
+    zbv_order,
+    zero_bubble_formula,
 )
 
 
@@ -42,14 +46,18 @@ def main() -> None:
         ("GPipe", gpipe_order(p, m), 1),
         ("1F1B", one_f_one_b_order(p, m), 1),
         (f"Interleaved 1F1B, {v} stages per rank", interleaved_1f1b_order(p, m, v), v),
+        ("ZB-H1", zb_h1_order(p, m), 1),
+        ("ZB-V, 2 stages per rank", zbv_order(p, m), 2),
     ]
     pictures = []
     print(f"{'schedule':<36} {'makespan':>9} {'bubble':>7} {'formula':>8}")
     for name, order, chunks in schedules:
         # each of a rank's v chunks costs 1/v of a whole stage
-        sim = simulate(order, forward=1.0 / chunks, backward=2.0 / chunks)
+        sim = simulate(order, forward=1.0 / chunks, backward=2.0 / chunks,
+                       weight=1.0 / chunks)
         rows = [(r, a.microbatch, a.kind, *sim.times[a]) for r, acts in order.items() for a in acts]
-        formula = bubble_formula(p, m, chunks)
+        formula = (zero_bubble_formula("zbh1" if chunks == 1 else "zbv", p, m)
+                   if name.startswith("ZB") else bubble_formula(p, m, chunks))
         print(f"{name:<36} {sim.makespan:>9.3f} {sim.bubble_fraction:>7.3f} {formula:>8.3f}")
         title = f"{name}: p={p}, m={m}, bubble {sim.bubble_fraction:.3f}"
         pictures.append(schedule_svg(rows, title=title, unit="units", lane_label="rank"))
