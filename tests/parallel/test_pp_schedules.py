@@ -482,3 +482,29 @@ def test_zero_bubble_errors_name_the_fix():
     assert isinstance(zbv, ScheduleZBV)
     assert isinstance(pipeline([nn.Linear(2, 2)], schedule="zbh1", n_microbatches=2),
                       ScheduleZBH1)
+
+
+def test_zbv_keeps_a_tied_embedding_on_rank_0():
+    """With the V placement the first and last stages share rank 0, so an input embedding
+    tied to the output layer is allowed, and both stages' W's add into its one gradient."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(11, 8), nn.Linear(8, 11, bias=False)
+    head.weight = emb.weight
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)]
+    full = nn.Sequential(emb, *blocks, head)
+    ref = copy.deepcopy(full)
+    four = split_into_stages([nn.Linear(8, 8) for _ in range(4)], 4, first=emb, last=head)
+    check_no_shared_parameters(four, 2, "v")  # stages 0 and 3 both on rank 0
+    with pytest.raises(ValueError, match="on another pipeline rank"):
+        check_no_shared_parameters(four, 2)  # loop: stage 3 on rank 1
+    modules = split_into_stages(blocks, 2, first=emb, last=head)
+    stages = [PipelineStage(m, s, 2, placement="v") for s, m in enumerate(modules)]
+
+    def ce(logits, y):
+        return nn.functional.cross_entropy(logits.reshape(-1, 11), y.reshape(-1))
+
+    x, y = torch.randint(11, (4, 3)), torch.randint(11, (4, 3))
+    ScheduleZBV(stages, 2, ce).step(x, target=y)
+    ce(ref(x), y).backward()
+    for (name, p), q in zip(full.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
