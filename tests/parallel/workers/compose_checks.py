@@ -143,7 +143,7 @@ def check_refusals(ctx):
         (dict(tp=2, dp=2), "--pp 1 x --dp 2 x --tp 2 = 4 ranks, but the world size is 2"),
         (dict(tp=2, dp_mode="torch-ddp"), "torch-ddp (torch's DistributedDataParallel"),
         (dict(pp=2, pp_schedule="interleaved1f1b", dp=1),
-         "--pp 2: 2 pipeline ranks x 2 stages (interleaved) = 4 stages, but the model has"),
+         "--pp 2: 2 pipeline ranks x 2 stages (interleaved1f1b) = 4 stages, but the model has"),
     ]:
         args = train.parse_args([])
         vars(args).update(flags)

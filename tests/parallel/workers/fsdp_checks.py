@@ -113,13 +113,17 @@ def mean_over_ranks(t):
 
 
 class Collectives:
-    """Record every all-gather / reduce-scatter fully_shard issues (kind, numel, dtype)."""
+    """Record every all-gather / reduce-scatter fully_shard issues for its parameters (kind,
+    numel, dtype); the data check's one all-gather of input fingerprints (at a root's first
+    forward, `meshrun.parallel.data_check`) is switched off meanwhile."""
 
     def __init__(self, events=None):
         self.calls, self.events = [], events if events is not None else []
         self.names = {"gather": _comm.ALL_GATHER, "reduce_scatter": _comm.REDUCE_SCATTER}
 
     def __enter__(self):
+        self.data_check = os.environ.get("MESHRUN_DATA_CHECK")
+        os.environ["MESHRUN_DATA_CHECK"] = "0"
         self.originals = {kind: getattr(dist, name) for kind, name in self.names.items()}
         for kind, name in self.names.items():
             setattr(dist, name, self._recording(kind, self.originals[kind]))
@@ -135,6 +139,10 @@ class Collectives:
     def __exit__(self, *exc):
         for kind, name in self.names.items():
             setattr(dist, name, self.originals[kind])
+        if self.data_check is None:
+            os.environ.pop("MESHRUN_DATA_CHECK", None)
+        else:
+            os.environ["MESHRUN_DATA_CHECK"] = self.data_check
 
     def count(self, kind):
         return sum(1 for k, *_ in self.calls if k == kind)
