@@ -27,6 +27,14 @@ with two buckets or more the ranks can issue them in different orders, and gloo 
 ("Received data size doesn't match expected size. Is there a distributed collective
 mismatch"; 3 of 3 runs on the MLP here). meshrun's issues them on the training thread in bucket
 order, so it runs with any buckets.
+
+    .venv/bin/python benchmarks/ddp.py --record [--rounds 4]
+
+The collective record's cost (`meshrun.agent.collectives`, on by default under meshrun):
+meshrun's ``ddp`` with the record off, then on (torch's flight recorder with 64 entries, and
+the thread that copies it to a file every 0.5 s), alternating, ``--rounds`` runs each: the
+median step time of each side, their ratio, and the run-to-run noise (the spread of the
+per-run medians within each side), so a cost below the noise reads as such.
 """
 
 import argparse
@@ -101,10 +109,16 @@ class ByteCounter:
         dist.all_reduce = counting
 
 
-def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank_r=4):
+def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank_r=4,
+           record=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
+    if record:  # as meshrun's worker site starts it: the ring before the group, then the copy
+        from meshrun.agent.collectives import RING_ENTRIES, Recorder
+
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(RING_ENTRIES)
+        Recorder(str(Path(out_dir) / f"collectives{rank}.json")).start()
     dist.init_process_group("gloo")
     # Both modes import both libraries, so peak RSS compares the strategies, not the imports
     # (meshrun.parallel also brings FSDP, TP and pipelining modules: tens of MiB of code).
@@ -146,9 +160,28 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank
 
 
 
-def run(model_name, mode, steps, warmup, hook=None, rank_r=4):
+def run(model_name, mode, steps, warmup, hook=None, rank_r=4, record=False):
     return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out,
-                                                      hook, rank_r))
+                                                      hook, rank_r, record))
+
+
+def record_table(args):
+    """Per model: meshrun ddp's ms/step with the collective record off and on, alternating."""
+    print(f"{'model':<9} {'record off ms':>14} {'record on ms':>13} {'ratio':>7} "
+          f"{'noise off':>10} {'noise on':>9}")
+    for model_name in args.models:
+        times = {False: [], True: []}
+        medians = {False: [], True: []}
+        for _ in range(args.rounds):
+            for record in (False, True):
+                ranks = run(model_name, "meshrun", args.steps, args.warmup, record=record)
+                times[record] += ranks[0]["times"]
+                medians[record].append(statistics.median(ranks[0]["times"]))
+        ms = {r: 1000 * statistics.median(times[r]) for r in times}
+        noise = {r: max(medians[r]) / min(medians[r]) - 1 for r in medians}
+        print(f"{model_name:<9} {ms[False]:>14.1f} {ms[True]:>13.1f} "
+              f"{ms[True] / ms[False]:>6.3f}x {100 * noise[False]:>9.1f}% "
+              f"{100 * noise[True]:>8.1f}%", flush=True)
 
 
 def hook_table(args):
@@ -182,8 +215,15 @@ def main():
                    help="instead: the communication hook table, these hooks")
     p.add_argument("--rank", type=int, default=4, help="with --hooks: PowerSGD's "
                    "matrix_approximation_rank")
+    p.add_argument("--record", action="store_true",
+                   help="instead: meshrun ddp with the collective record off vs on")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.record:
+        began = print_start()
+        record_table(args)
+        print_end(began)
+        return
     if args.hooks:
         began = print_start()
         hook_table(args)
