@@ -29,12 +29,18 @@ mismatch"; 3 of 3 runs on the MLP here). meshrun's issues them on the training t
 order, so it runs with any buckets.
 
     .venv/bin/python benchmarks/ddp.py --record [--rounds 4]
+    .venv/bin/python benchmarks/ddp.py --desync [--rounds 4]
 
 The collective record's cost (`meshrun.agent.collectives`, on by default under meshrun):
 meshrun's ``ddp`` with the record off, then on (torch's flight recorder with 64 entries, and
 the thread that copies it to a file every 0.5 s), alternating, ``--rounds`` runs each: the
 median step time of each side, their ratio, and the run-to-run noise (the spread of the
 per-run medians within each side), so a cost below the noise reads as such.
+
+``--desync``: the cost of ``meshrun --desync-check`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+fingerprint check before every collective): microseconds per ``all_reduce`` of 256 floats on
+2 ranks (1000 calls, median of ``--rounds`` runs each side, alternating), and meshrun ``ddp``'s
+step time, with the check off and on.
 """
 
 import argparse
@@ -110,10 +116,12 @@ class ByteCounter:
 
 
 def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank_r=4,
-           record=False):
+           record=False, desync=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
+    if desync:  # as meshrun --desync-check sets it for the workers
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if record:  # as meshrun's worker site starts it: the ring before the group, then the copy
         from meshrun.agent.collectives import RING_ENTRIES, Recorder
 
@@ -160,9 +168,51 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank
 
 
 
-def run(model_name, mode, steps, warmup, hook=None, rank_r=4, record=False):
+def run(model_name, mode, steps, warmup, hook=None, rank_r=4, record=False, desync=False):
     return spawn_ranks(2, worker, lambda port, out: (model_name, mode, port, steps, warmup, out,
-                                                      hook, rank_r, record))
+                                                      hook, rank_r, record, desync))
+
+
+def collective_worker(rank, port, out_dir, desync, calls):
+    """``calls`` all_reduces of 256 floats; reports the mean microseconds per call."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2")
+    if desync:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    x = torch.ones(256)
+    for _ in range(50):
+        dist.all_reduce(x)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(x)
+    report_rank(out_dir, rank, {"us": 1e6 * (time.perf_counter() - t0) / calls})
+    dist.destroy_process_group()
+
+
+def desync_table(args):
+    """Per-collective and per-step cost of torch's fingerprint check (--desync-check)."""
+    us = {False: [], True: []}
+    for _ in range(args.rounds):
+        for desync in (False, True):
+            ranks = spawn_ranks(2, collective_worker, lambda port, out, d=desync:
+                                (port, out, d, 1000))  # fmt: skip
+            us[desync].append(ranks[0]["us"])
+    off, on = statistics.median(us[False]), statistics.median(us[True])
+    print(f"{'all_reduce of 256 floats':<26} {'check off us':>13} {'check on us':>12} "
+          f"{'ratio':>7} {'added us':>9}")
+    print(f"{'':<26} {off:>13.1f} {on:>12.1f} {on / off:>6.2f}x {on - off:>9.1f}", flush=True)
+    print(f"{'model':<26} {'check off ms':>13} {'check on ms':>12} {'ratio':>7}")
+    for model_name in args.models:
+        times = {False: [], True: []}
+        for _ in range(args.rounds):
+            for desync in (False, True):
+                ranks = run(model_name, "meshrun", args.steps, args.warmup, desync=desync)
+                times[desync] += ranks[0]["times"]
+        ms = {d: 1000 * statistics.median(times[d]) for d in times}
+        print(f"{model_name:<26} {ms[False]:>13.1f} {ms[True]:>12.1f} "
+              f"{ms[True] / ms[False]:>6.3f}x", flush=True)
 
 
 def record_table(args):
@@ -217,8 +267,15 @@ def main():
                    "matrix_approximation_rank")
     p.add_argument("--record", action="store_true",
                    help="instead: meshrun ddp with the collective record off vs on")
+    p.add_argument("--desync", action="store_true",
+                   help="instead: the cost of --desync-check (torch's DETAIL fingerprint check)")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.desync:
+        began = print_start()
+        desync_table(args)
+        print_end(began)
+        return
     if args.record:
         began = print_start()
         record_table(args)
