@@ -57,7 +57,7 @@ from meshrun.agent.events import EVENT_FILE, EventLog
 from meshrun.agent.hang import Hang, ProgressWatch, progress_env
 from meshrun.agent.logs import UnsafeLogDir, make_private_dir
 from meshrun.agent.reaper import Reaper
-from meshrun.agent.stacks import Target, classify, collect_stacks
+from meshrun.agent.stacks import Target, classify, collect_stacks, traceback_frames
 from meshrun.agent.stragglers import StepTimes, Stragglers, decode_step_times, encode_step_times
 from meshrun.agent.workers import (
     GroupResult,
@@ -707,6 +707,7 @@ class Agent:
         if self._group is not None:  # a signal that came meanwhile is what the workers get
             self._group.stop(self.config.shutdown_timeout, death_sig=self._signal or signal.SIGTERM)
             failures = self._group.failures()
+            stopped = [self._last_words(f) for f in stopped]
             self._note_exits()
             self._group = None
         bootstrap.close()
@@ -715,6 +716,24 @@ class Agent:
         if self._failed_round and failures:
             rdzv.publish_failures([self._record(f) for f in failures])
         return failures + stopped
+
+    def _last_words(self, f: WorkerFailure) -> WorkerFailure:
+        """A stopped rank whose stack did not place it (none taken, or no main thread in it:
+        it was exiting) but whose last stderr lines are a Python traceback (it was raising
+        when the stop came: its own gloo timeout, torch's desync check) is placed by that
+        traceback instead."""
+        if f.state not in ("unknown", ""):
+            return f
+        tail = self._group.stderr_tail(f.local_rank)
+        if "Traceback (most recent call last)" not in tail:
+            return f
+        where = classify(traceback_frames(tail))
+        if where.state == "unknown":
+            return f
+        return replace(f, traceback=tail, source="stderr", state=where.state,
+                       collective=where.collective, at=where.at,
+                       stack_problem="; ".join(filter(None, [f.stack_problem, "placed by its "
+                                                             "last stderr lines"])))  # fmt: skip
 
     # -- what the timeline and the straggler check see -----------------------------------------
     def _note_exits(self) -> None:

@@ -180,7 +180,8 @@ def collect_stacks(
                     continue  # the faulthandler dump (threads cut) it was to complete
                 if proc.returncode != 0 or not text.strip():
                     why = ("the worker was exiting" if _exiting(t.pid)
-                           else f"py-spy failed (exit {proc.returncode}; ptrace not permitted?)")  # fmt: skip
+                           else f"py-spy failed (exit {proc.returncode}: the worker was "
+                                f"perhaps exiting, or ptrace is not permitted)")  # fmt: skip
                     stacks[key] = _missing(t, f"no stack: {why}")
                     continue
                 path = _save(t.save_to, text)

@@ -275,6 +275,10 @@ class WorkerGroup:
             ]
         return _describe(failed)
 
+    def stderr_tail(self, local_rank: int) -> str:
+        """The last lines the worker of ``local_rank`` wrote to stderr (kept in memory)."""
+        return next((w.tail.text() for w in self._workers if w.spec.local_rank == local_rank), "")
+
     def follow_terminal(self) -> None:
         """Give the workers' pseudo-terminals the console's size when it changed (a resize);
         called once per monitor tick. A no-op without pseudo-terminals."""
