@@ -246,12 +246,13 @@ def test_desync_line_names_the_call_within_its_own_group():
         "rank did not (torch's fingerprint check, --desync-check)")
 
 
-def test_recorder_leaves_out_the_calls_of_a_destroyed_group(tmp_path, monkeypatch):
+def test_recorder_leaves_out_the_calls_of_a_destroyed_group(tmp_path, monkeypatch, launch):
     """A real gloo group of one, in this process: two calls, destroy, init again, one call;
     the record then holds the new group's call only (the ring outlives the group)."""
     import torch
     import torch.distributed as dist
-    from conftest import free_port
+
+    free_port = launch.free_port
 
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
     path = tmp_path / "collectives.json"

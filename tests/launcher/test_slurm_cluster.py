@@ -198,7 +198,9 @@ def test_requeue_only_when_retrying_may_help(cluster):
            failed: (fail / f"requeue_{failed}.out").read_text()}  # fmt: skip
     got = {job: (i["JobState"], i["ExitCode"], i["Restarts"]) for job, i in info.items()}
     assert got[retried] == ("FAILED", "3:0", "1"), (got, out[retried][-3000:])
-    assert out[retried].count("rendezvous failed: join timeout") == 2, out[retried][-3000:]
+    # each of the two runs: at least the store's host timed out joining (the other node may
+    # see the store go first: "store ... lost")
+    assert out[retried].count("rendezvous failed: join timeout") >= 2, out[retried][-3000:]
     assert "not requeued, 1 requeue(s) spent" in out[retried], out[retried][-3000:]
     assert got[failed] == ("FAILED", "7:0", "0"), (got, out[failed][-3000:])
     assert "requeue" not in out[failed], out[failed][-3000:]
