@@ -120,8 +120,9 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    if desync:  # as meshrun --desync-check sets it for the workers
+    if desync:  # as meshrun --desync-check sets it for the workers (read at torch's import)
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
     if record:  # as meshrun's worker site starts it: the ring before the group, then the copy
         from meshrun.agent.collectives import RING_ENTRIES, Recorder
 
@@ -179,8 +180,10 @@ def collective_worker(rank, port, out_dir, desync, calls):
                       WORLD_SIZE="2")
     if desync:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    assert (dist.get_debug_level() == dist.DebugLevel.DETAIL) == desync
     x = torch.ones(256)
     for _ in range(50):
         dist.all_reduce(x)
