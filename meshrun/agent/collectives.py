@@ -32,9 +32,10 @@ node can compare every rank. `first_disagreement` finds, group by group:
   wait at train.py:15 in step; last call there: rank 0: all_reduce #39". The ranks behind
   are the likely cause.
 
-Cost: the ring costs torch a few microseconds per collective; the thread dumps it (about 0.2 ms
-for 64 calls) at most every `INTERVAL_S`, in the background. ``benchmarks/ddp.py`` measures it.
-``MESHRUN_COLLECTIVE_RECORD=0`` turns the record off.
+Cost: the thread dumps the ring (0.2-1.4 ms for 64 calls on this 2-core machine) at most every
+`INTERVAL_S`, in the background; a DDP step measured 1.03-1.08x with the record on, within the
+run-to-run noise (``benchmarks/ddp.py --record``). ``MESHRUN_COLLECTIVE_RECORD=0`` turns the
+record off.
 
 This module imports only the standard library: workers load it by path at start-up (see
 ``worker_site/sitecustomize.py``), before the script imports torch.
