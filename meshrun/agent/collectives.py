@@ -32,8 +32,7 @@ node can compare every rank. `first_disagreement` finds, group by group:
   wait at train.py:15 in step; last call there: rank 0: all_reduce #39". The ranks behind
   are the likely cause.
 
-Cost: the thread dumps the ring (0.2-1.4 ms for 64 calls on this 2-core machine) at most every
-`INTERVAL_S`, in the background; a DDP step measured 1.03-1.08x with the record on, within the
+Cost: the thread dumps the ring at most every `INTERVAL_S`, in the background; a DDP step measured 1.03-1.08x with the record on, within the
 run-to-run noise (``benchmarks/ddp.py --record``). ``MESHRUN_COLLECTIVE_RECORD=0`` turns the
 record off.
 
