@@ -43,7 +43,14 @@ from pathlib import Path
 
 from meshrun import exit_guard
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
-from meshrun.agent.collectives import RECORD_ENV, RECORD_FILE, read_record, record_env, summary
+from meshrun.agent.collectives import (
+    RECORD_ENV,
+    RECORD_FILE,
+    read_record,
+    record_env,
+    summary,
+    wait_current,
+)
 from meshrun.agent.config import LaunchConfig, Std
 from meshrun.agent.errors import (
     WorkerFailure,
@@ -538,7 +545,11 @@ class Agent:
             )
             for spec, pid in running
         ]
+        since = time.time()
         stacks = collect_stacks(targets, abort=lambda: self._signal is not None)
+        if os.environ.get(RECORD_ENV) != "0":
+            wait_current([spec.log_dir / RECORD_FILE for spec, _ in running], since,
+                         abort=lambda: self._signal is not None)  # fmt: skip
         records = []
         for spec, pid in running:
             stack = stacks[spec.local_rank]

@@ -135,6 +135,7 @@ class Recorder:
 
             dump = _dump_fr_trace_json(True, False)
             if dump == self._last:
+                self._touch()
                 return False
             ring = json.loads(dump)
             record = make_record(ring, self._group_ranks(dist, ring), self._cutoff)
@@ -151,6 +152,12 @@ class Recorder:
             return False
         self._last = dump
         return True
+
+    def _touch(self) -> None:
+        """Mark the unchanged record as current (its mtime): the agent waits for that before it
+        reads a rank it is about to stop (`wait_current`)."""
+        with contextlib.suppress(OSError):
+            os.utime(self.path)
 
     def _group_ranks(self, dist, ring: dict) -> dict[str, str]:
         """Each live process group's name (as torch's ring names it) -> its member ranks.
@@ -173,6 +180,27 @@ class Recorder:
                 except Exception:  # noqa: BLE001 - a group being destroyed
                     continue
         return self._names
+
+
+def wait_current(paths: list[Path], since: float, abort=lambda: False) -> None:
+    """Wait until each record in ``paths`` was looked at by its rank's thread after ``since``
+    (a `time.time`), at most `INTERVAL_S` and a margin after it. A rank that entered its last
+    collective less than `INTERVAL_S` before the agent stops it would otherwise be read
+    without that call; a rank that cannot look (stopped, not yet in ``init_process_group``)
+    only costs the wait. ``abort()`` true ends the wait (a signal for the agent)."""
+    deadline = since + INTERVAL_S + 0.3
+    pending = list(paths)
+    while pending and time.time() < deadline and not abort():
+        pending = [p for p in pending if not _looked_after(p, since)]
+        if pending:
+            time.sleep(0.02)
+
+
+def _looked_after(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 def make_record(dump: dict, group_ranks: dict[str, str], cutoff: int = -1) -> dict:

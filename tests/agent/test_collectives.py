@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
 from meshrun.agent.collectives import (
+    INTERVAL_S,
     Recorder,
     desync_call,
     first_disagreement,
@@ -19,6 +21,7 @@ from meshrun.agent.collectives import (
     ranges,
     read_record,
     summary,
+    wait_current,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -275,3 +278,33 @@ def test_recorder_leaves_out_the_calls_of_a_destroyed_group(tmp_path, monkeypatc
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_agent_waits_for_a_look_after_it_began_stopping(tmp_path, monkeypatch, launch):
+    """A rank about to be stopped may have entered its last call since its thread's last look:
+    `wait_current` returns once the thread looked again (an unchanged ring marks the file
+    current), and gives up after one interval and a margin where nobody looks."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    path = tmp_path / "collectives.json"
+    init_method = f"tcp://127.0.0.1:{launch.free_port()}"
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
+    recorder = Recorder(str(path), interval=0.1).start()
+    try:
+        dist.all_reduce(torch.ones(2))
+        deadline = time.time() + 10
+        while read_record(path) is None and time.time() < deadline:
+            time.sleep(0.02)
+        since = time.time() + 0.05  # after the first write: only a later look counts
+        wait_current([path], since)
+        assert path.stat().st_mtime >= since and time.time() < since + 0.4
+        last = read_record(path).calls[-1]  # (this process's ring holds earlier tests' too)
+        assert (last.op, last.args) == ("all_reduce", "float[2]")
+    finally:
+        recorder.stop()
+        dist.destroy_process_group()
+    began = time.time()
+    wait_current([tmp_path / "never-written.json"], began)
+    assert INTERVAL_S + 0.3 <= time.time() - began < INTERVAL_S + 1.0
