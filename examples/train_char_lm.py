@@ -146,6 +146,11 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: "
                    "momentum 0.9, no weight decay (its steps scale with the gradient, so the "
                    "logged loss shows a wrong gradient scale that AdamW would hide)")
+    p.add_argument("--elastic", choices=("restart", "in-place"), default="restart",
+                   help="what a lost node costs: restart (the agent restarts every worker; "
+                   "with --checkpoint-dir they resume from the newest checkpoint) or in-place "
+                   "(meshrun.parallel.elastic: the survivors stay, change world and retry the "
+                   "step; --dp-mode ddp only, no --checkpoint-dir yet)")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
     args = p.parse_args(argv)
     if args.parallel == "tp":
@@ -155,12 +160,24 @@ def parse_args(argv=None):
     elif args.parallel is not None:
         args.dp_mode = args.parallel
     # bad flags: one line from rank 0 (every rank would print the same), exit 2 on every rank
-    problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", 1)))
+    problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", 1))) or elastic_problem(args)
     if problem:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"{p.prog}: error: {problem}", file=sys.stderr)
         sys.exit(2)
     return args
+
+
+def elastic_problem(args):
+    """What ``--elastic in-place`` cannot do with the other flags (yet), or None."""
+    if args.elastic != "in-place":
+        return None
+    if args.dp_mode != "ddp" or args.pp > 1 or args.tp > 1 or args.cp > 1 or args.dp:
+        return "--elastic in-place: pure data parallelism with --dp-mode ddp only (for now)"
+    if args.checkpoint_dir or args.comm_hook != "none" or args.eval_every:
+        return ("--elastic in-place: not with --checkpoint-dir, --comm-hook or --eval-every "
+                "(for now)")
+    return None
 
 
 # -------------------------------------------------------------------------------------------
@@ -258,6 +275,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts anyway)
     data, vocab_size = load_text()
     model = CharLM(vocab_size, args.block_size).to(device)
+    if args.elastic == "in-place" and distributed:
+        return train_in_place(args, model, data, device)
     par = parallelize_lm(model, args)  # before the optimizer sees the parameters
     optimizer = make_optimizer(args, par.modules.parameters())
     global_batch = args.global_batch_size or args.batch_size * par.dp_size
@@ -347,6 +366,63 @@ def main(argv=None):
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def train_in_place(args, model, data, device):
+    """``--elastic in-place``: the training loop of `main` under meshrun.parallel.elastic.
+
+    A lost node costs the survivors no restart: the step whose collective failed is tried
+    again in the new world. ``build`` makes the mesh and applies ddp (at the start and after
+    each change of world); ``state`` is what the ranks agree on after a change. The rule of
+    `elastic.steps` holds: each step's collectives (ddp's gradient all-reduce, the clip's
+    norm, the logged loss) come before its effects (the optimizer step, the data position),
+    so a step either completed or left the state as it was."""
+    from meshrun.parallel import elastic
+
+    world = {}
+
+    def build():  # the mesh and ddp for the current world, on the live model
+        world["par"] = parallelize_lm(model, args)
+
+    optimizer = make_optimizer(args, model.parameters())  # ddp keeps the same parameters
+    global_batch = args.global_batch_size or args.batch_size * int(os.environ["WORLD_SIZE"])
+    state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch}
+    warmup = max(1, args.steps // 20)
+    n_windows = (len(data) - 1) // args.block_size
+    t0, first = time.perf_counter(), None
+    for attempt in elastic.steps(state, args.steps, build=build):
+        with attempt:
+            par, step, global_batch = world["par"], attempt.step, state["global_batch"]
+            first = step if first is None else first
+            n_micro = check_batch(args, global_batch, par.dp_size)
+            lr = args.lr * min(1.0, (step + 1) / warmup)
+            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            ids = window_ids(state["position"], global_batch, n_windows, args.seed)
+            batches = [windows(data, part, args.block_size)
+                       for part in microbatches(ids, par.dp_rank, par.dp_size, n_micro)]
+            optimizer.zero_grad(set_to_none=True)
+            loss = forward_backward(par, batches, global_batch, device)
+            done = step + 1
+            log = done % args.log_every == 0 or done in (1, args.steps)
+            grad_norm = clip_gradients(par, args.grad_clip if args.grad_clip > 0 else math.inf)
+            if log:
+                dist.all_reduce(loss)  # the last collective of the step
+            optimizer.step()  # the step's effects, after its collectives
+            state["position"] += global_batch
+            if log and master_now():
+                ms = (time.perf_counter() - t0) * 1000 / (done - first)
+                print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "
+                      f"lr {lr:.2e} | world {dist.get_world_size()} | {ms:.0f} ms/step",
+                      flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def master_now():
+    """Rank 0 of the current world (it changes when the world does)."""
+    return dist.get_rank() == 0
 
 
 def make_optimizer(args, params):

@@ -41,7 +41,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from meshrun import exit_guard
+from meshrun import exit_guard, in_place
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.collectives import (
     RECORD_ENV,
@@ -416,6 +416,20 @@ class Agent:
                     local = self._end_round(rdzv, bootstrap, fault=True)
                     return self._final_failure(rdzv, e.round, local)
                 if reason is not None:
+                    try:
+                        moved = self._in_place(rdzv, reaper, bootstrap, info, reason)
+                    except _Stopped:
+                        return self._stop_by_signal()
+                    except JobFinished:
+                        rdzv.leave()
+                        self._end_round(rdzv, bootstrap)
+                        return EXIT_OK
+                    except JobFailed as e:
+                        local = self._end_round(rdzv, bootstrap, fault=True)
+                        return self._final_failure(rdzv, e.round, local)
+                    if moved is not None:
+                        info = moved
+                        continue
                     say(f"restarting the worker group: {reason}")
                     self._note_restart(info, reason)
                     fault = _NOT_A_FAULT.search(reason) is None
@@ -425,6 +439,84 @@ class Agent:
                     if self._signal is not None:  # it came while the group was stopped
                         return self._stop_by_signal()
                     break
+
+    def _in_place(
+        self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore,
+        info: RendezvousInfo, reason: str,
+    ) -> RendezvousInfo | None:
+        """A node was lost and every local worker opted in to in-place recovery
+        (`meshrun.in_place`): join the next round while they run, hand each its new
+        environment, and wait up to ``MESHRUN_IN_PLACE_TIMEOUT`` seconds (default
+        `IN_PLACE_TIMEOUT_S`) for every one to confirm. Returns the new round, or None when
+        the workers cannot take it in place (another reason, a worker that did not opt in or
+        has exited): then the caller restarts the group as usual. A worker that does not
+        confirm in time (or exits meanwhile) gets the usual treatment within the new round:
+        the whole local group is stopped and started again there, with nothing spent.
+
+        Raises:
+            _Stopped: a handled signal; JobFinished, JobFailed: the job ended meanwhile.
+        """
+        if self._group is None or info.num_nodes == 1 or _LOST_NODE.search(reason) is None:
+            return None
+        running = self._group.running()
+        if len(running) != len(self._group.specs) or not all(
+            in_place.opted_in(spec.log_dir, pid) for spec, pid in running
+        ):
+            return None
+        timeout = _in_place_timeout()
+        say(f"{reason}: the workers opted in to in-place recovery; joining the next round "
+            "while they run")  # fmt: skip
+        self._note_restart(info, reason)
+        t0 = time.monotonic()
+        new = self._interruptible(rdzv.next_round)
+        if new.node_rank != 0:  # node rank 0 of the new round reopened it in next_round
+            bootstrap.close()
+        bootstrap.serve()
+        specs = [self._spec(new, s.local_rank, s.log_dir.parent) for s in self._group.specs]
+        self._group.renumber(specs)
+        pids = self._group.pids
+        for spec in specs:
+            in_place.make_offer(spec.log_dir, new.round, dict(spec.env), timeout)
+        ranks = f"ranks {new.rank_offset}..{new.rank_offset + new.local_world_size - 1}"
+        say(f"round {new.round}: node rank {new.node_rank} of {new.num_nodes}, {ranks} of "
+            f"world size {new.world_size}, restart count {new.restart_count}; handed to the "
+            f"running workers (pids {', '.join(map(str, pids))}), {timeout:g} s to confirm")
+        self._group_info = new
+        self._failed_round = False
+        self._steps.forget()
+        self._stragglers.reset()
+        self._events.emit(
+            "round_start", round=new.round, node_rank=new.node_rank, num_nodes=new.num_nodes,
+            world_size=new.world_size, rank_offset=new.rank_offset,
+            local_world_size=new.local_world_size, restart_count=new.restart_count,
+            in_place=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        pending, exited = list(zip(specs, pids, strict=True)), False
+        while pending:
+            pending = [(s, p) for s, p in pending if not in_place.confirmed(s.log_dir, new.round, p)]
+            exited = self._group.wait(0) is not None
+            if not pending or exited or time.monotonic() >= deadline:
+                break
+            self._group.wait(min(self.config.monitor_interval, 0.05))
+            self._raise_if_signalled()
+        if not pending and not exited:
+            say(f"round {new.round}: every worker confirmed in place "
+                f"({time.monotonic() - t0:.2f} s after the restart was decided)")  # fmt: skip
+            self._events.emit("in_place", round=new.round, confirmed=True)
+            return new
+        late = ", ".join(str(s.global_rank) for s, _ in pending) or "none"
+        why = "a worker exited" if exited else f"rank(s) {late} did not confirm within {timeout:g} s"
+        say(f"round {new.round}: in-place handover failed ({why}); stopping the worker group "
+            "and starting it again in this round")  # fmt: skip
+        self._events.emit("in_place", round=new.round, confirmed=False, reason=why)
+        self._watch = None
+        self._group.stop(self.config.shutdown_timeout)
+        self._note_exits()
+        self._group = None
+        self._raise_if_signalled()
+        self._start_group(new, reaper)
+        return new
 
     def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
         first = result.failures[0]
@@ -674,6 +766,7 @@ class Agent:
         env = worker_env(c, info, local_rank, error_file=log_dir / "error.json")
         env.update(progress_env(log_dir))
         env.update(record_env(log_dir))
+        env.update(in_place.channel_env(log_dir))
         args = tuple(a.replace("${local_rank}", str(local_rank)) for a in c.args)
         shown = c.local_ranks_filter is None or local_rank in c.local_ranks_filter
         redirect, tee = c.redirects.for_rank(local_rank), c.tee.for_rank(local_rank)
@@ -922,6 +1015,22 @@ _PEER_LOST = re.compile(
     r"remote process exited|NCCL communicator was aborted",
     re.IGNORECASE,
 )
+
+
+# A restart reason that in-place recovery can take: a node lost (not a failure, not a join).
+_LOST_NODE = re.compile(r"^node \S+ lost$")
+#: Seconds a worker that opted in to in-place recovery has to confirm a new round
+#: (``MESHRUN_IN_PLACE_TIMEOUT`` in the agent's environment overrides it).
+IN_PLACE_TIMEOUT_S = 10.0
+
+
+def _in_place_timeout() -> float:
+    raw = os.environ.get("MESHRUN_IN_PLACE_TIMEOUT", "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return IN_PLACE_TIMEOUT_S
+    return value if value > 0 else IN_PLACE_TIMEOUT_S
 
 
 #: The schedulers' warning signals (SLURM ``--signal=USR1@N``): passed to the workers once and

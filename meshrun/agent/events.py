@@ -16,7 +16,7 @@ kind           fields
 =============  ===================================================================================
 agent_start    node (node id), nproc, run_id
 round_start    round, node_rank, num_nodes, world_size, rank_offset, local_world_size,
-               restart_count
+               restart_count, in_place (true when the running workers took the round in place)
 worker_start   round, rank, local_rank, worker_pid (``pid`` is the agent's, on every line)
 worker_exit    round, rank, local_rank, exitcode (int; None when killed by a signal), signal
                (name, e.g. "SIGKILL", when killed by one), stopped (true when the agent stopped
@@ -28,6 +28,8 @@ restart        round (the round that ends), reason (one line), spent (true: a fa
                of the job's budget; false: a membership change, free)
 hang           round, culprits (ranks that made no progress), waiting (ranks stopped with them)
 straggler      round, rank, step_s, busy_s, median_s, steps (`meshrun.agent.stragglers`)
+in_place       round, confirmed (every worker took the round in place; false: the group was
+               restarted in it), reason (why not, when false)
 agent_exit     code (the agent's exit code)
 =============  ===================================================================================
 
@@ -66,7 +68,7 @@ MAX_FIELD_CHARS = 2000  # a string field (a failure's message) is cut here, with
 
 KINDS = (
     "agent_start", "round_start", "worker_start", "worker_exit", "join", "node_lost",
-    "failure", "restart", "hang", "straggler", "agent_exit",
+    "failure", "restart", "hang", "straggler", "in_place", "agent_exit",
 )  # fmt: skip
 _RESERVED = frozenset({"t", "host", "pid", "kind"})
 

@@ -314,6 +314,27 @@ class WorkerGroup:
                 for w in self._workers
             ]
 
+    def renumber(self, specs: Sequence[WorkerSpec]) -> None:
+        """Give the running workers the specs of a new round that they took in place
+        (`meshrun.in_place`): new global ranks, node rank and environment, for reports and
+        events. The processes, their log directories and their output are unchanged.
+
+        Raises:
+            ValueError: the specs are not one per worker, with the same local ranks and log
+                directories, in the same order.
+        """
+        specs = list(specs)
+        same = [(s.local_rank, Path(s.log_dir)) for s in specs] == [
+            (s.local_rank, Path(s.log_dir)) for s in self.specs
+        ]
+        if not same:
+            raise ValueError("WorkerGroup.renumber: the new specs must keep each worker's "
+                             "local rank and log directory, in order")
+        with self._cond:
+            self.specs = specs
+            for w, spec in zip(self._workers, specs, strict=True):
+                w.spec = spec
+
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the process group of every worker that has not exited (a no-op
         after :meth:`stop`, which reaps them)."""

@@ -28,6 +28,7 @@ RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 STORE_VARS = ("MASTER_ADDR", "MASTER_PORT")
 
 _context: ParallelContext | None = None  # the one context of this process (init is idempotent)
+_timeout: timedelta | None = None  # the collective timeout init() was given (rejoin keeps it)
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,12 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
     Mirrors the ``env://`` init method of ``torch.distributed.init_process_group`` and the
     environment that ``torch.distributed.run`` (torchrun) gives its workers.
     """
-    global _context
+    global _context, _timeout
     if _context is not None:
         return _context
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
+    _timeout = timeout
     env = os.environ
     cuda = torch.cuda.is_available()
     if dist.is_initialized():  # the script initialised the group itself: adopt it
@@ -102,6 +104,33 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
     atexit.register(_destroy_at_exit)  # is LIFO
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     _context = ParallelContext(rank, local_rank, world_size, device, str(backend))
+    return _context
+
+
+def rejoin() -> ParallelContext:
+    """Join the world that the environment describes now, after the last one was destroyed
+    (``torch.distributed.destroy_process_group``), with `init`'s backend and timeout; return
+    the new context, which `init` returns from now on.
+
+    For in-place elastic recovery (`meshrun.parallel.elastic`): the agent handed this
+    process a new round's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which the caller
+    put in ``os.environ``. LOCAL_RANK (and so the device) does not change.
+
+    Raises:
+        RuntimeError: `init` was never called, the old world is still initialised, or the
+            environment is incomplete (as for `init`).
+    """
+    global _context
+    if _context is None or dist.is_initialized():
+        raise RuntimeError("meshrun.parallel.rejoin: call init() first, and destroy the old "
+                           "process group before joining a new world")
+    missing = [name for name in RANK_VARS + STORE_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"meshrun.parallel.rejoin: incomplete environment: missing "
+                           f"{', '.join(missing)}")
+    rank, local_rank, world_size = (_int_env(name) for name in RANK_VARS)
+    dist.init_process_group(_context.backend, init_method="env://", **_timeout_kwargs(_timeout))
+    _context = ParallelContext(rank, local_rank, world_size, _context.device, _context.backend)
     return _context
 
 

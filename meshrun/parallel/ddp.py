@@ -147,6 +147,26 @@ def ddp(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     return module
 
 
+def unwrap(module: nn.Module) -> bool:
+    """Undo `ddp` on ``module``: remove its hooks, ``no_sync`` and ``register_comm_hook``.
+
+    Parameters, their ``.grad`` and buffers are left as they are, so `ddp` can be applied
+    again over another group: `meshrun.parallel.elastic` does this when the world changes
+    in place (the old group is gone, the module and its optimizer live on). A communication
+    hook registered on the module goes with it (register it again after the new `ddp`).
+
+    Returns:
+        True when ``module`` was data-parallel, False when there was nothing to undo.
+    """
+    reducer = getattr(module, "_meshrun_ddp", None)
+    if reducer is None:
+        return False
+    for handle in reducer.handles:
+        handle.remove()
+    del module._meshrun_ddp, module.no_sync, module.register_comm_hook
+    return True
+
+
 def agree_num_batches(num_batches: int, group: dist.ProcessGroup | None = None) -> int:
     """Uneven inputs: return the smallest ``num_batches`` over the group's ranks.
 
@@ -202,10 +222,11 @@ class _Reducer:
 
         broadcast_from_first_(([p for _, p in named] + list(module.buffers())), group)
         self._build_buckets(self._assign(list(reversed(range(len(self.params))))))
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i))
+        self.handles = [p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i))
+                        for i, p in enumerate(self.params)]  # fmt: skip
         self.first_forward = True  # the data check's once (`meshrun.parallel.data_check`)
-        module.register_forward_pre_hook(lambda mod, args: self._before_forward(args))
+        self.handles.append(
+            module.register_forward_pre_hook(lambda mod, args: self._before_forward(args)))
 
     # -- public -----------------------------------------------------------------------------
 

@@ -1,0 +1,256 @@
+"""`steps()`: a training loop that survives the loss of a node without leaving the process.
+
+When a node dies, the survivors' next collective fails (gloo: "Connection reset by peer").
+Under a plain loop the worker exits, its agent restarts it, and the new process imports
+torch, joins a new process group and reads a checkpoint. Under `steps()` the worker stays:
+
+1. the step's collective fails because a peer vanished (`peer_lost`): the step is abandoned
+   (nothing of it was applied: see "the rule" below), the RNG state is put back, every
+   process group is aborted and destroyed (so peers blocked on this rank fail at once too),
+   and ``ddp`` is undone on the live modules (`meshrun.parallel.ddp.unwrap`);
+2. it waits for its agent's offer of the next round (`meshrun.in_place`; the agent completes
+   the rendezvous without stopping it), takes the round's RANK / WORLD_SIZE / MASTER_ADDR /
+   MASTER_PORT / MESHRUN_ROUND into ``os.environ``, confirms, and joins the new world
+   (`meshrun.parallel.context.rejoin`);
+3. ``build()`` (the script's own: the mesh and the strategies, exactly as at the start) runs
+   again on the live modules, then the ranks agree on the state (`_agree`): every rank says
+   how many steps it has done; if they differ, the rank that did most (the lowest such rank)
+   broadcasts everything in ``state``; with data parallelism every survivor holds the whole
+   model and optimizer state, so no disk is read;
+4. the step is tried again, now with the new world's data split (the script's global batch
+   rule decides what each rank reads), so no step is lost and none is repeated.
+
+The rule for the body of a step (``with attempt:``): its effects on the state (the optimizer
+step, the data position) come after its last collective. Then a step either completed on a
+rank (all its collectives returned) or left that rank's state untouched. Ranks may still
+differ by one step (a rank's last all-reduce can return while a peer's fails): step 3's
+agreement settles that.
+
+The agent hands a new world only when a node was lost and every worker of the node opted in
+(`steps()` opts in when it starts); otherwise, and when this rank does not confirm in time,
+the agent stops and restarts the workers as without in-place recovery. A worker restarted
+so (or started fresh) runs ``build()`` and the agreement too, so it gets the state of the
+ranks that stayed. Exceptions that are not a vanished peer propagate as usual.
+
+The pattern of a loop that yields attempts to be used as ``with`` blocks is tenacity's
+(``for attempt in Retrying(): with attempt: ...``); the agreement after a change of world is
+the idea of torchft's quorum (pytorch/torchft), here without a separate lighthouse: the
+agent's rendezvous is the quorum.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, MutableMapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun import in_place
+from meshrun.parallel._comm import group_device
+
+__all__ = ["Attempt", "peer_lost", "steps"]
+
+#: How a collective fails when a peer process vanished (gloo, NCCL), or when a blocked
+#: peer aborted its groups (see `_teardown`); a timeout may be a peer that vanished without
+#: a closed connection (a cut cable).
+PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|ECONNRESET|remote process exited|"
+    r"communicator was aborted|Timed out|aborted|Socket closed|EOF",
+    re.IGNORECASE,
+)
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` reads like a collective that failed because a peer process vanished
+    (`PEER_LOST` in its message or in the message of its cause)."""
+    while error is not None:
+        if isinstance(error, RuntimeError) and PEER_LOST.search(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class Attempt:
+    """One try of one step: use it as ``with attempt:`` around the step's body.
+
+    Attributes:
+        step: the index of the step this attempt trains (0-based: ``state["step"]`` before it).
+        world: how many times this process changed world in place so far.
+    """
+
+    def __init__(self, step: int, world: int):
+        self.step = step
+        self.world = world
+        self.entered = False
+        self.done = False
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> Attempt:
+        self.entered = True
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None:
+            self.done = True
+            return False
+        if peer_lost(error):
+            self.error = error
+            return True  # swallowed: the loop waits for the new world and tries again
+        return False
+
+
+def steps(
+    state: MutableMapping, total: int, *, build: Callable[[], object],
+    wait_timeout: float = 60.0,
+) -> Iterator[Attempt]:
+    """Yield one `Attempt` per step from ``state["step"]`` (0 if absent) to ``total``.
+
+    Call it after ``meshrun.parallel.init()``. ``build()`` is called first, and again after
+    each change of world, on the live modules; make it create the mesh and apply the
+    strategies (``ddp`` over the mesh's data-parallel group) as at the start. ``state`` holds
+    what the ranks must agree on: ``nn.Module`` values (parameters and buffers),
+    ``torch.optim.Optimizer`` values (their ``state_dict``) and picklable values (a data
+    position); `steps` keeps ``state["step"]``, the number of steps done, itself.
+
+    Args:
+        state: as above; read, and written when this rank takes another rank's state.
+        total: the step count to reach.
+        build: the script's mesh and strategies for the current world.
+        wait_timeout: seconds to wait for the agent's offer of a new world after a peer
+            vanished; then the collective's error is raised (the agent restarts the group
+            as usual).
+
+    Raises:
+        RuntimeError: the collective error of a vanished peer when no new world came within
+            ``wait_timeout`` (or the process was not started by a meshrun agent); an
+            attempt that was not entered with ``with``.
+        Any exception of the step's body that is not a vanished peer (`peer_lost`).
+    """
+    state.setdefault("step", 0)
+    loop = _Loop(state, build, wait_timeout)
+    in_place.opt_in()
+    loop.enter_world()
+    while state["step"] < total:
+        attempt = Attempt(state["step"], loop.changes)
+        rng = torch.get_rng_state()
+        yield attempt
+        if attempt.done:
+            state["step"] += 1
+            continue
+        if not attempt.entered:
+            raise RuntimeError("meshrun.parallel.elastic.steps: use each attempt as "
+                               "`with attempt:` around the step's body")
+        torch.set_rng_state(rng)  # the step is tried again from its own start
+        loop.change_world(attempt.error)
+
+
+class _Loop:
+    """The state of one `steps` loop: which round this process is in, and how it changes."""
+
+    def __init__(self, state: MutableMapping, build: Callable[[], object], wait_timeout: float):
+        self.state, self.build, self.wait_timeout = state, build, wait_timeout
+        self.round = int(os.environ.get("MESHRUN_ROUND", 0))
+        self.changes = 0
+
+    def enter_world(self) -> None:
+        """``build()`` and agree on the state; a peer vanishing meanwhile changes world."""
+        while True:
+            try:
+                self.build()
+                _agree(self.state)
+                return
+            except RuntimeError as e:
+                if not peer_lost(e):
+                    raise
+                self.change_world(e)
+
+    def change_world(self, error: BaseException) -> None:
+        """Leave the broken world, take the agent's next round, and enter it."""
+        t0 = time.monotonic()
+        _teardown(self.state)
+        offer = self._wait_for_offer(error)
+        os.environ.update({k: str(v) for k, v in offer["env"].items()})
+        self.round = offer["round"]
+        in_place.confirm(self.round)
+        from meshrun.parallel.context import rejoin
+
+        ctx = rejoin()
+        self.changes += 1
+        print(f"meshrun.parallel.elastic: a peer vanished ({_first_line(error)}); rank "
+              f"{ctx.rank} of world size {ctx.world_size} in round {self.round}, in place "
+              f"({time.monotonic() - t0:.2f} s)", file=sys.stderr, flush=True)
+        self.enter_world()
+
+    def _wait_for_offer(self, error: BaseException) -> dict:
+        deadline = time.monotonic() + self.wait_timeout
+        while True:
+            offer = in_place.offer_after(self.round)
+            if offer is not None:
+                return offer
+            if in_place.channel() is None or time.monotonic() >= deadline:
+                raise error
+            time.sleep(0.02)
+
+
+def _teardown(state: MutableMapping) -> None:
+    """Abort and destroy every process group (a peer blocked on this rank fails at once),
+    and undo ``ddp`` on the modules in ``state`` (its hooks hold the old group)."""
+    from meshrun.parallel.ddp import unwrap
+
+    for value in state.values():
+        if isinstance(value, nn.Module):
+            for module in value.modules():
+                unwrap(module)
+    if not dist.is_initialized():
+        return
+    groups = list(dist.distributed_c10d._world.pg_map)  # every group of this process
+    for group in groups:
+        try:
+            group.abort()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            pass  # a backend without abort: destroy closes its connections below
+    dist.destroy_process_group()
+
+
+def _agree(state: MutableMapping) -> None:
+    """Make every rank's ``state`` that of the rank with the most steps done (the lowest such
+    rank): one all-gather of the step counts; a broadcast of the whole state only when they
+    differ (replicas that did the same steps hold the same values)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    device = group_device(None)
+    mine = torch.tensor([int(state["step"])], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(counts, mine)
+    counts = [int(c.item()) for c in counts]
+    if len(set(counts)) == 1:
+        return
+    src = counts.index(max(counts))
+    if dist.get_rank() == 0:
+        print(f"meshrun.parallel.elastic: ranks had done {sorted(set(counts))} steps; every "
+              f"rank takes rank {src}'s state (step {counts[src]})", file=sys.stderr,
+              flush=True)
+    for key in sorted(state, key=str):
+        value = state[key]
+        if isinstance(value, nn.Module):
+            for t in [*value.parameters(), *value.buffers()]:
+                dist.broadcast(t.data, src=src)
+        elif isinstance(value, torch.optim.Optimizer):
+            box = [value.state_dict()]
+            dist.broadcast_object_list(box, src=src)
+            value.load_state_dict(box[0])
+        else:
+            box = [value]
+            dist.broadcast_object_list(box, src=src)
+            state[key] = box[0]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().split("\n", 1)[0]
+    return text if len(text) <= 160 else text[:157] + "..."
