@@ -1,0 +1,190 @@
+"""In-place recovery (DESIGN.md §3.8, issue 22): a node dies and the survivors keep their
+processes.
+
+Two `meshrun` agents on 127.0.0.1, c10d (the first hosts the store and survives): the
+survivor runs two workers, the other node one. Once the three ranks train, the other node dies
+whole (SIGKILL of its agent and its worker at once). Under ``examples/train_char_lm.py
+--elastic in-place`` the survivor's agent joins the next round without stopping its workers
+(`meshrun.in_place`), they change world (`meshrun.parallel.elastic`) and retry the step: no
+worker is started again (the events file lists the same two worker pids), and every step's
+loss equals that of one process training on the whole global batch (the reference), none
+lost and none repeated. A worker that opted in but never confirms is stopped and started
+again in the new round (the fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from support import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "train_char_lm.py"
+IGNORER = Path(__file__).resolve().parent / "scripts" / "in_place_ignorer.py"
+STEPS, KILL_AFTER = 14, 5
+TRAIN = ("--steps", str(STEPS), "--batch-size", "4", "--global-batch-size", "12",
+         "--log-every", "1")
+STEP_LINE = re.compile(r"step (\d+) \| loss ([0-9.]+)")
+# detection in 1 s (0.25 s x 4), a last call long enough for the second agent to join round 0
+CONF = "keep_alive_interval=0.25,keep_alive_max_attempt=4,last_call_timeout=1.5,join_timeout=60"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PET_", "TORCHELASTIC_", "MESHRUN_"))
+           and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+            **extra}
+
+
+class Node:
+    """One agent in a session of its own; its output in ``<tmp>/<name>.out``."""
+
+    def __init__(self, tmp: Path, name: str, port: int, nproc: int, is_host: bool,
+                 script: list[str], **env: str):
+        self.out = tmp / f"{name}.out"
+        self.log_dir = tmp / f"logs_{name}"
+        cmd = [sys.executable, "-m", "meshrun", "--nnodes", "1:2", "--nproc-per-node",
+               str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "inplace", "--rdzv-conf", f"{CONF},is_host={int(is_host)}",
+               "--monitor-interval", "0.1", "--shutdown-timeout", "3", "--log-dir",
+               str(self.log_dir), *script]
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=_env(**env), cwd=tmp, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for f in self.log_dir.rglob("events.jsonl")
+                for line in f.read_text().splitlines()]
+
+    def kill(self) -> None:
+        """SIGKILL the agent and every process under it at once: the host is gone."""
+        try:
+            agent = psutil.Process(self.proc.pid)
+            victims = [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            victims = []
+        for p in victims:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(10)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait(predicate, what: str, timeout: float, nodes) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {n.out.name} ---\n{n.text()}" for n in nodes)
+            raise AssertionError(f"{what} did not happen in {timeout} s\n{logs}")
+        time.sleep(0.05)
+
+
+def _two_nodes(tmp: Path, script: list[str], survivor_nproc: int, **env: str):
+    port = free_port()
+    first = Node(tmp, "first", port, survivor_nproc, True, script, **env)
+    _wait(lambda: _accepts(port), "the c10d store", 60, [first])
+    second = Node(tmp, "second", port, 1, False, script, **env)
+    return first, second
+
+
+def _losses(text: str) -> dict[int, list[float]]:
+    found: dict[int, list[float]] = {}
+    for m in STEP_LINE.finditer(text):
+        found.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+    return found
+
+
+def _worker_pids(node: Node) -> dict[int, set[int]]:
+    """round -> the worker pids the agent started in it (its ``worker_start`` events)."""
+    pids: dict[int, set[int]] = {}
+    for e in node.events():
+        if e["kind"] == "worker_start":
+            pids.setdefault(e["round"], set()).add(e["worker_pid"])
+    return pids
+
+
+@pytest.mark.timeout(180)
+def test_survivors_keep_their_processes_and_every_step(tmp_path):
+    reference = subprocess.run([sys.executable, str(EXAMPLE), *TRAIN], env=_env(), cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+    assert reference.returncode == 0, reference.stderr
+    expected = {s: v[0] for s, v in _losses(reference.stdout).items()}
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    first, second = _two_nodes(tmp_path, [str(EXAMPLE), "--elastic", "in-place", *TRAIN], 2)
+    nodes = [first, second]
+    try:
+        _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
+                                first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
+        before = _worker_pids(first)
+        second.kill()
+        assert first.proc.wait(90) == 0, first.text()
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+
+    text = first.text()
+    assert "every worker confirmed in place" in text, text
+    assert "restarting the worker group: node" not in text, text  # not the restart path
+    after = _worker_pids(first)
+    assert after == before, (before, after)  # no worker started after the kill
+    rounds = [e for e in first.events() if e["kind"] == "round_start"]
+    assert rounds[-1].get("in_place") is True and rounds[-1]["world_size"] == 2, rounds
+    got = _losses(text)
+    assert sorted(got) == list(range(1, STEPS + 1)), f"steps lost or repeated: {got}"
+    assert all(len(v) == 1 for v in got.values()), f"a step printed twice: {got}"
+    assert "world 2" in text.split(f"step {STEPS} |")[1].split("\n")[0], text
+    for step, value in expected.items():
+        assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_does_not_confirm_is_restarted(tmp_path):
+    first, second = _two_nodes(tmp_path, [str(IGNORER)], 1, MESHRUN_IN_PLACE_TIMEOUT="1")
+    nodes = [first, second]
+    try:
+        def opted_in_two_nodes():  # the survivor's worker of the two-node round opted in
+            both = re.search(r"round (\d+): node rank 0 of 2", first.text())
+            return both and f"round {both.group(1)}" in "".join(
+                re.findall(r"opted in \d+ (round \d+)", first.text()))
+
+        _wait(opted_in_two_nodes, "a two-node round whose worker opted in", 60, nodes)
+        second.kill()
+        assert first.proc.wait(60) == 0, first.text()
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+    text = first.text()
+    assert re.search(r"in-place handover failed \(rank\(s\) 0 did not confirm within 1 s\)",
+                     text), text
+    fresh = re.search(r"fresh (\d+) round (\d+)", text)
+    assert fresh, text
+    opted = [int(p) for p in re.findall(r"opted in (\d+)", text)]
+    assert int(fresh.group(1)) not in opted  # a new process, in the round after the loss
+    pids = _worker_pids(first)
+    assert int(fresh.group(1)) in pids[int(fresh.group(2))], pids
