@@ -471,13 +471,21 @@ def test_zero_bubble_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"schedule 'zbv' runs 2 stage\(s\) per rank, but there "
                                          r"are 3 stages on 1 ranks"):
         pipeline([nn.Linear(2, 2) for _ in range(3)], schedule="zbv", n_microbatches=2)
-    class DataParallel(nn.Linear):  # what ddp and fully_shard add
+    class Sharded(nn.Linear):  # what fully_shard adds
+        def set_requires_gradient_sync(self, enabled):
+            raise AssertionError("not reached")
+
+    class Replicated(nn.Linear):  # what ddp adds
         def no_sync(self):
             raise AssertionError("not reached")
 
-    with pytest.raises(NotImplementedError, match="stage 0 is under data parallelism .* use a "
-                                                  "schedule without W actions"):
-        ScheduleZBH1(PipelineStage(DataParallel(2, 2), 0, 1), 2, mse)
+    with pytest.raises(NotImplementedError, match="stage 0 is under fully_shard, whose "
+                                                  "end-of-backward frees .* use ddp"):
+        ScheduleZBH1(PipelineStage(Sharded(2, 2), 0, 1), 2, mse)
+    with pytest.raises(NotImplementedError, match="stage 0 has ddp on a submodule, not on the "
+                                                  "stage module itself"):
+        ScheduleZBH1(PipelineStage(nn.Sequential(Replicated(2, 2)), 0, 1), 2, mse)
+    ScheduleZBH1(PipelineStage(Replicated(2, 2), 0, 1), 2, mse)  # ddp on the stage: allowed
     zbv = pipeline([nn.Linear(2, 2) for _ in range(2)], schedule="ZB-V", n_microbatches=2)
     assert isinstance(zbv, ScheduleZBV)
     assert isinstance(pipeline([nn.Linear(2, 2)], schedule="zbh1", n_microbatches=2),

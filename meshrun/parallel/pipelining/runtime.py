@@ -55,7 +55,13 @@ Point-to-point (c10d ``isend``/``irecv``, one tag per message so gloo matches by
 Data parallelism beside the pipeline: a stage module with ``no_sync()`` (meshrun's ``ddp``)
 runs backward inside it for every microbatch but the last, and one with
 ``set_requires_gradient_sync`` (FSDP-style) is switched off then on, so gradients are
-synchronised once per step, on the last microbatch.
+synchronised once per step, on the last microbatch. Under a split backward (zero-bubble) the
+weight gradients come from the W's, each one autograd call per group of layers, and the last
+of them may run long after the last B: with ddp on a stage module every W accumulates inside
+``no_sync`` and, after that stage's last W of the step, one backward that adds zero to each
+gradient lets ddp all-reduce the sums (`_synchronised_backward`), so the reduction waits for
+the last W and runs once. fully_shard stages are refused with split backwards: its end of
+backward (after B) frees the unsharded parameters that W still needs.
 
 Eval: ``eval(*args, target=None, losses=None)`` runs the forwards of the same order under
 ``torch.no_grad()`` (losses too when a target is given); nothing is kept for backward.
@@ -168,13 +174,19 @@ class PipelineSchedule:
         self._by_index = {st.stage_index: st for st in stages}
         self._split = split_stages(order)  # stages whose backward is B then W
         for st in stages:
-            if st.stage_index in self._split and _data_parallel(st.submodule):
+            if st.stage_index in self._split and _fsdp_style(st.submodule):
                 raise NotImplementedError(
-                    f"PipelineSchedule: stage {st.stage_index} is under data parallelism (ddp "
-                    f"or fully_shard), whose gradient hooks expect one backward per "
-                    f"microbatch, but this order splits its backward into B and W; use a "
-                    f"schedule without W actions (1f1b, interleaved1f1b) with data "
-                    f"parallelism")
+                    f"PipelineSchedule: stage {st.stage_index} is under fully_shard, whose "
+                    f"end-of-backward frees the unsharded parameters after B while W still "
+                    f"needs them, and this order splits its backward into B and W; use ddp "
+                    f"(dp-mode ddp) with a zero-bubble schedule, or a schedule without W "
+                    f"actions (1f1b, interleaved1f1b) with fully_shard")
+            if (st.stage_index in self._split and _data_parallel(st.submodule)
+                    and not hasattr(st.submodule, "no_sync")):
+                raise NotImplementedError(
+                    f"PipelineSchedule: stage {st.stage_index} has ddp on a submodule, not on "
+                    f"the stage module itself; a split backward synchronises a stage module's "
+                    f"ddp after its last W: apply ddp to the stage module")
         # the fixed shapes of each channel between ranks, per mode (training step, eval):
         self._sent_meta: dict[tuple[bool, int], list] = {}  # (training, destination stage)
         self._recv_meta: dict[tuple[bool, int], list] = {}  # (training, stage of this rank)
@@ -292,6 +304,7 @@ class _Step:
                                              if isinstance(t, torch.Tensor)])  # fmt: skip
         self.cache: dict[tuple[int, int], tuple[list, list]] = {}
         self.weights: dict[tuple[int, int], SplitBackward] = {}  # B done, W not yet
+        self.weights_done: dict[int, int] = {}  # stage -> W's run this step
         self.outputs: dict[int, object] = {}
         self.loss_values: dict[int, torch.Tensor] = {}
         self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
@@ -402,9 +415,16 @@ class _Step:
 
     def _weight(self, action: Action):
         s, m = action.stage, action.microbatch
-        stage = self.sched._by_index[s]
-        with gradient_sync(stage.submodule, m == self.sched.n_microbatches - 1):
-            self.weights.pop((s, m)).backward_weight()
+        module = self.sched._by_index[s].submodule
+        self.weights_done[s] = self.weights_done.get(s, 0) + 1
+        last = self.weights_done[s] == self.sched.n_microbatches  # the stage's last W
+        if hasattr(module, "no_sync"):  # ddp: every W accumulates, then one synced backward
+            with module.no_sync():
+                self.weights.pop((s, m)).backward_weight()
+            if last:
+                _synchronised_backward(module)
+            return
+        self.weights.pop((s, m)).backward_weight()
 
     def _check_outputs(self, stage: PipelineStage, m: int, outputs: list):
         bad = [type(o).__name__ for o in outputs if not isinstance(o, torch.Tensor)]
@@ -567,6 +587,29 @@ def _fixed_shapes_message(now: str, meta, fixed, training: bool) -> str:
     return (f"{now}, but the first {first} had {_fmt(fixed)}; the {what} between stages are "
             f"fixed by the first step and the first eval (as in torch.distributed.pipelining):"
             f" {keep}, or build a new PipelineSchedule for other shapes")
+
+
+def _synchronised_backward(module) -> None:
+    """One backward that adds nothing to ``module``'s gradients but runs ddp's hooks in sync.
+
+    Under a split backward a stage's W's each run one autograd call per group of layers
+    (`split_backward`), while ddp's reducer expects every gradient of a synchronised step
+    within one autograd call (its end-of-backward callback all-reduces). So every W runs in
+    ``no_sync`` (gradients accumulate into ``.grad``) and, after the stage's last W, this
+    backward from each parameter that has a gradient, with a zero gradient (a stride-0
+    expanded scalar: no memory), makes ddp all-reduce the accumulated ``.grad``: the
+    documented no_sync contract ("the next synchronised backward all-reduces the accumulated
+    gradients"). Parameters without a gradient take no part, as in any backward, so ddp
+    reports them (or ``find_unused_parameters`` handles them) as it would for 1F1B."""
+    params = [p for p in module.parameters() if p.requires_grad and p.grad is not None]
+    if params:
+        torch.autograd.backward(params, [torch.zeros((), dtype=p.dtype, device=p.device)
+                                         .expand_as(p) for p in params])
+
+
+def _fsdp_style(module) -> bool:
+    """Whether ``module`` or a submodule switches sync like FSDP (fully_shard, torch FSDP2)."""
+    return any(hasattr(m, "set_requires_gradient_sync") for m in module.modules())
 
 
 def _data_parallel(module) -> bool:

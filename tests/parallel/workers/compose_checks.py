@@ -10,7 +10,9 @@ against ``torch.nn.utils.clip_grad_norm_`` (clipping active), and the full gradi
 parameters. Full tensors are rebuilt from every rank's blocks (`placement.pieces`: TP shards,
 FSDP rows, pipeline stages), each block weighted by 1 / (number of ranks holding it), and
 summed by one all-reduce over the world. ``check_refusals``: a mesh that does not fit the
-world, and torch-ddp with --tp, are one clear error each.
+world, torch-ddp with --tp, --pp-schedule without --pp, and a zero-bubble schedule with fsdp
+are one clear error each. The zero-bubble schedules (B and W split) are checked with ddp over
+dp (pp 2 x dp 2) and with TP (pp 2 x tp 2, ZB-H1 with sequence parallelism, ZB-V).
 """
 
 import copy
@@ -144,6 +146,8 @@ def check_refusals(ctx):
         (dict(tp=2, dp_mode="torch-ddp"), "torch-ddp (torch's DistributedDataParallel"),
         (dict(pp=2, pp_schedule="interleaved1f1b", dp=1),
          "--pp 2: 2 pipeline ranks x 2 stages (interleaved1f1b) = 4 stages, but the model has"),
+        (dict(pp_schedule="zbh1"), "--pp-schedule zbh1 schedules a pipeline, but there is none "
+                                   "(--pp 1): add --pp N"),
     ]:
         args = train.parse_args([])
         vars(args).update(flags)
@@ -156,6 +160,10 @@ def check_refusals(ctx):
             assert fragment in str(e), f"{fragment!r} not in {e}"
         else:
             raise AssertionError(f"{flags}: no error")
+    args = train.parse_args([])
+    vars(args).update(pp=2, dp=2, pp_schedule="zbh1", dp_mode="fsdp")  # in a world of 4
+    problem = lm.layout_problem(args, 4, n_layer=2, n_head=2)
+    assert problem and "with --dp use --dp-mode ddp, or --pp-schedule 1f1b" in problem, problem
 
 
 # 4 ranks
@@ -177,9 +185,21 @@ def check_tp2_dp2_fsdp(ctx):  # FSDP rows of TP shards
     parity(pp=1, tp=2, dp=2, mode="fsdp")
 
 
+def check_pp2_dp2_ddp_zbh1(ctx):  # W's accumulate in no_sync; ddp reduces after the last W
+    parity(pp=2, tp=1, dp=2, mode="ddp", schedule="zbh1")
+
+
+def check_pp2_tp2_zbh1_sp(ctx):  # B and W through TP's collectives (sequence parallel)
+    parity(pp=2, tp=2, dp=1, schedule="zbh1", sp=True)
+
+
+def check_pp2_tp2_zbv(ctx):  # two TP stages per rank in a V
+    parity(pp=2, tp=2, dp=1, schedule="zbv", n_layer=4)
+
+
 checks_2 = [check_pp2, check_tp2, check_dp2_fsdp, check_dp2_ddp, check_refusals]
 checks_4 = [check_pp2_tp2, check_pp2_dp2_fsdp, check_pp2_dp2_fsdp_interleaved,
-            check_tp2_dp2_fsdp]
+            check_tp2_dp2_fsdp, check_pp2_dp2_ddp_zbh1, check_pp2_tp2_zbh1_sp, check_pp2_tp2_zbv]
 
 if __name__ == "__main__":
     run_checks(checks_2 if sys.argv[1] == "2" else checks_4)

@@ -1,8 +1,15 @@
 """Pipeline x data parallel on 4 ranks: Mesh {"pp": 2, "dp": 2}, meshrun ddp on each stage.
 
-Each dp rank runs 1F1B with 4 microbatches on its half of the global batch; the reference is
-the unsplit model on the whole global batch. Gradients must be synchronised over dp exactly
-once per step (the backwards of the first 3 microbatches run inside ``no_sync``).
+Each dp rank runs the schedule with 4 microbatches on its half of the global batch; the
+reference is the unsplit model on the whole global batch (losses, gradients and parameters
+compared every step). Gradients must be synchronised over dp exactly once per step:
+
+- 1F1B: the backwards of the first 3 microbatches run inside ``no_sync``;
+- ZB-H1 and ZB-V (backward split into B and W): every W accumulates inside ``no_sync`` and
+  the all-reduce comes once, after the stage's last W. Counted with a comm hook
+  (``register_comm_hook``) that records each bucket it reduces and the W's run before it:
+  each bucket of each stage module once per step, and only once all 4 W's of its stage ran
+  (the reduction must wait for the last W, which produces the last weight gradients).
 """
 
 import copy
@@ -12,7 +19,14 @@ import torch
 import torch.distributed as dist
 
 from meshrun.parallel import Mesh, ddp, init
-from meshrun.parallel.pipelining import PipelineStage, Schedule1F1B, split_into_stages
+from meshrun.parallel.comm_hooks import allreduce_hook
+from meshrun.parallel.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleZBH1,
+    ScheduleZBV,
+    split_into_stages,
+)
 from tests.parallel.harness import exit_without_teardown, report
 from tests.parallel.workers.pp_checks import close, make_model, mse
 
@@ -24,65 +38,96 @@ def data(step):
     return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
 
 
-def run(mesh, results):
-    pp_rank, dp_rank = mesh.rank("pp"), mesh.rank("dp")
+def build(mesh, name):
+    """This rank's stage modules (ddp over "dp") and the schedule; the full model and its copy."""
+    pp_rank = mesh.rank("pp")
+    n_stages = 4 if name == "zbv" else 2
     full, first, blocks, last = make_model(4)
     ref = copy.deepcopy(full)
-    module = split_into_stages(blocks, 2, first=first, last=last)[pp_rank]
-    ddp(module, mesh.group("dp"))
-    entered = []
-    no_sync = module.no_sync
+    modules = split_into_stages(blocks, n_stages, first=first, last=last)
+    mine = [pp_rank, n_stages - 1 - pp_rank] if name == "zbv" else [pp_rank]
+    stages = []
+    for s in mine:
+        ddp(modules[s], mesh.group("dp"))
+        stages.append(PipelineStage(modules[s], s, n_stages, mesh.group("pp"),
+                                    placement="v" if name == "zbv" else "loop"))
+    if name == "1f1b":
+        schedule = Schedule1F1B(stages[0], N_MICRO, mse)
+    elif name == "zbh1":
+        schedule = ScheduleZBH1(stages[0], N_MICRO, mse)
+    else:
+        schedule = ScheduleZBV(stages, N_MICRO, mse)
+    return schedule, [modules[s] for s in mine], full, ref
 
-    def counting_no_sync():
-        entered.append(1)
-        return no_sync()
 
-    module.no_sync = counting_no_sync
-    schedule = Schedule1F1B(PipelineStage(module, pp_rank, 2, mesh.group("pp")), N_MICRO, mse)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+def run(mesh, results, name):
+    dp_rank = mesh.rank("dp")
+    schedule, modules, full, ref = build(mesh, name)
+    entered, reduced = [], []  # stage per no_sync entry; (stage, entries before) per bucket
+    for module, stage in zip(modules, schedule.stages, strict=True):
+        no_sync, s = module.no_sync, stage.stage_index
+        module.no_sync = lambda no_sync=no_sync, s=s: entered.append(s) or no_sync()
+
+        def hook(group, bucket, s=s):
+            reduced.append((s, entered.count(s)))
+            return allreduce_hook(group, bucket)
+
+        module.register_comm_hook(mesh.group("dp"), hook)
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    mine = {id(p) for p in module.parameters()}
+    mine = {id(p) for m in modules for p in m.parameters()}
     per = GLOBAL_BATCH // 2
+    sync = []
     for step in range(STEPS):
         x, y = data(step)
         losses = []
         entered.clear()
+        reduced.clear()
         opt.zero_grad()
         schedule.step(x[dp_rank * per:(dp_rank + 1) * per],
                       target=y[dp_rank * per:(dp_rank + 1) * per], losses=losses)
-        if len(entered) != N_MICRO - 1:
-            results["check_sync_once_per_step"] = (
-                f"step {step}: {len(entered)} backwards inside no_sync, expected {N_MICRO - 1}")
+        stages = sorted(st.stage_index for st in schedule.stages)
+        if name == "1f1b" and len(entered) != N_MICRO - 1:
+            sync.append(f"step {step}: {len(entered)} backwards inside no_sync, expected "
+                        f"{N_MICRO - 1}")
+        if name != "1f1b":  # one bucket per stage module here (a model of a few KiB)
+            expected = [(s, N_MICRO) for s in stages]
+            if sorted(reduced) != expected or len(entered) != N_MICRO * len(stages):
+                sync.append(f"step {step}: buckets reduced as (stage, W's run before) "
+                            f"{reduced}, expected {expected}; {len(entered)} W's in no_sync")
         ref_opt.zero_grad()
         ref_loss = mse(ref(x), y)
         ref_loss.backward()
-        if schedule.stages[0].is_last:
+        if any(st.is_last for st in schedule.stages):
             loss = torch.stack(losses).mean()
             dist.all_reduce(loss, group=mesh.group("dp"))
-            close(loss / 2, ref_loss.detach(), f"step {step} loss")
-        for (name, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
-                                     strict=True):
+            close(loss / 2, ref_loss.detach(), f"{name} step {step} loss")
+        for (pname, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
+                                      strict=True):
             if id(p) in mine:
-                close(p.grad, q.grad, f"step {step} grad {name}")
+                close(p.grad, q.grad, f"{name} step {step} grad {pname}")
         opt.step()
         ref_opt.step()
-        for (name, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
-                                     strict=True):
+        for (pname, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
+                                      strict=True):
             if id(p) in mine:
-                close(p.detach(), q.detach(), f"step {step} param {name}")
-    results.setdefault("check_sync_once_per_step", "ok")
+                close(p.detach(), q.detach(), f"{name} step {step} param {pname}")
+    return "; ".join(sync) or "ok"
 
 
 def main():
     init(timeout=60)
     mesh = Mesh({"pp": 2, "dp": 2})
     results = {}
-    try:
-        run(mesh, results)
-        results["check_pp_dp_parity"] = "ok"
-    except Exception:
-        results["check_pp_dp_parity"] = traceback.format_exc()
-        results.setdefault("check_sync_once_per_step", "not reached")
+    for name, parity, once in [("1f1b", "check_pp_dp_parity", "check_sync_once_per_step"),
+                               ("zbh1", "check_zbh1_dp_parity", "check_zbh1_sync_after_last_w"),
+                               ("zbv", "check_zbv_dp_parity", "check_zbv_sync_after_last_w")]:
+        try:
+            results[once] = run(mesh, results, name)
+            results[parity] = "ok"
+        except Exception:
+            results[parity] = traceback.format_exc()
+            results.setdefault(once, "not reached")
     report(results)
     dist.destroy_process_group()
     exit_without_teardown()
