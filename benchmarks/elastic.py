@@ -7,8 +7,8 @@ Usage (from the repository root, with the project's virtual environment):
 
 A quick development run (about a minute): ``--rounds 1 --ckpt-layers 2 --ckpt-rounds 1``.
 
-Part 1, recovery time after a node's death (meshrun vs torchrun, rounds alternating m, t, t,
-m, ...): two agents on 127.0.0.1 (``--nnodes 1:2 --nproc-per-node 1``, c10d rendezvous on a
+Part 1, recovery time after a node's death (meshrun in place, meshrun restart and torchrun,
+the order of the three rotating from round to round): two agents on 127.0.0.1 (``--nnodes 1:2 --nproc-per-node 1``, c10d rendezvous on a
 free port, ``--max-restarts 3``; ``is_host=1`` in ``--rdzv-conf`` for the first agent, which
 hosts the store, ``is_host=0`` for the second: both are on one address) train
 examples/train_char_lm.py (``--steps 200 --batch-size 8 --log-every 1 --checkpoint-every 5``,
@@ -17,7 +17,12 @@ checkpoints with meshrun.parallel.checkpoint, i.e. torch DCP). Once a two-node r
 and every descendant are SIGKILLed at once, like a host going away. Time = from the kill to
 the arrival, on the survivor's stdout pipe (read on a thread, each line stamped with
 ``time.monotonic()``), of the first ``step N | loss`` line after its ``resumed from step K``
-line: detection + rendezvous + restart + checkpoint load + one step. Each launcher otherwise
+line: detection + rendezvous + restart + checkpoint load + one step. Steps lost = the last
+step logged before the kill minus K (trained again). In place (``--elastic in-place``, no
+``--checkpoint-dir``; `meshrun.parallel.elastic`): the kill comes once step 10 was logged at
+world 2, and the time runs to the first ``step N | loss`` line after the kill (detection +
+rendezvous + the handover + one step in the new world); steps lost = the last step logged
+before the kill minus (N - 1). Each launcher otherwise
 runs with its defaults (meshrun: keep-alive 0.5 s x 5, last call 1 s; torchrun: keep-alive
 5 s x 3, last call 30 s); torchrun gets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 (pytorch#135712); both get ``OMP_NUM_THREADS=1``. A round that does not recover within
@@ -77,7 +82,8 @@ from _common import free_port, kill_tree, print_end, print_start, stop_round  # 
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 TAG_ENV = "MESHRUN_BENCH_ELASTIC_TAG"  # marks every process a round started, to clean up
-LAUNCHERS = ("meshrun", "torchrun")
+LAUNCHERS = ("in-place", "meshrun", "torchrun")  # in-place: meshrun --elastic in-place
+NAMES = {"in-place": "meshrun in place", "meshrun": "meshrun restart", "torchrun": "torchrun"}
 STEP_RE = re.compile(r"step (\d+) \| loss ([0-9.]+)")
 RESUMED_RE = re.compile(r"resumed from step (\d+)")
 KILL_AT = 10  # the checkpoint that must exist before the kill (--checkpoint-every 5)
@@ -167,12 +173,14 @@ class Round:
 
 def launcher_argv(launcher: str, endpoint: str, rdzv_id: str, is_host: bool, ckpt: str,
                   steps: int) -> list[str]:
-    exe = ["-m", "meshrun"] if launcher == "meshrun" else ["-m", "torch.distributed.run"]
+    exe = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["-m", "meshrun"]
+    keep = (["--elastic", "in-place"] if launcher == "in-place"
+            else ["--checkpoint-dir", ckpt, "--checkpoint-every", "5"])
     return [sys.executable, *exe, "--nnodes", "1:2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
             "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", "3",
             str(EXAMPLE), "--steps", str(steps), "--batch-size", "8", "--log-every", "1",
-            "--checkpoint-dir", ckpt, "--checkpoint-every", "5"]
+            *keep]
 
 
 @dataclass
@@ -181,6 +189,7 @@ class Recovery:
     to_resumed: float | None = None  # kill -> the "resumed from step" line
     resumed_step: int | None = None
     first_step: int | None = None
+    lost: int | None = None  # steps trained before the kill and again after it
     note: str = ""
 
 
@@ -191,13 +200,32 @@ def measure_recovery(launcher: str, args: argparse.Namespace) -> Recovery:
         if not _wait(lambda: _listening(rnd.port), args.setup_cap):
             return Recovery(None, note="the c10d store never listened")
         victim = rnd.start(is_host=False)
-        ready = _wait(lambda: any("world 2" in t for a in rnd.agents for t in a.texts())
-                      and (rnd.ckpt / f"step_{KILL_AT}").is_dir(), args.setup_cap, 0.01)
+        if launcher == "in-place":
+            at_two = re.compile(rf"step {KILL_AT} \| loss .*\| world 2 ")
+            ready = _wait(lambda: any(at_two.search(t) for t in host.texts()), args.setup_cap,
+                          0.01)
+        else:
+            ready = _wait(lambda: any("world 2" in t for a in rnd.agents for t in a.texts())
+                          and (rnd.ckpt / f"step_{KILL_AT}").is_dir(), args.setup_cap, 0.01)
         if not ready:
             return Recovery(None, note=f"no two-node round with step_{KILL_AT} within "
                                        f"{args.setup_cap:g} s")
         t_kill = rnd.t_kill = time.monotonic()
         kill_tree(victim.popen.pid)  # the whole node at once: agent and every descendant
+        last = max((int(m.group(1)) for a in rnd.agents for t, text in list(a.lines)
+                    if t < t_kill and (m := STEP_RE.search(text))), default=0)
+        if launcher == "in-place":
+            def next_step():
+                for t, text in list(host.lines):
+                    if t >= t_kill and (m := STEP_RE.search(text)):
+                        return t, int(m.group(1))
+                return None
+
+            found = _wait(next_step, args.cap)
+            if not found:
+                return Recovery(None, note=_why_not(host, t_kill))
+            t_step, n = found
+            return Recovery(t_step - t_kill, None, None, n, lost=last - (n - 1))
 
         def recovered():
             resumed = None
@@ -216,7 +244,7 @@ def measure_recovery(launcher: str, args: argparse.Namespace) -> Recovery:
         if not found:
             return Recovery(None, note=_why_not(host, t_kill))
         (t_res, k), (t_step, n) = found
-        return Recovery(t_step - t_kill, t_res - t_kill, k, n)
+        return Recovery(t_step - t_kill, t_res - t_kill, k, n, lost=last - k)
     finally:
         if args.verbose:
             print(f"[{launcher}]\n{rnd.log()}", file=sys.stderr)
@@ -236,7 +264,7 @@ def _why_not(agent: Agent, t_kill: float) -> str:
 
 def part1(args: argparse.Namespace) -> None:
     print(f"## Part 1: recovery after a node's death ({args.rounds} rounds per launcher, "
-          "alternating)\n")
+          "the order rotating)\n")
     for launcher in LAUNCHERS:
         env = "OMP_NUM_THREADS=1 PYTHONPATH=<repo> "
         if launcher == "torchrun":
@@ -246,24 +274,28 @@ def part1(args: argparse.Namespace) -> None:
                                  "<tmp>/ckpt", args.steps)
             argv[0] = "python"
             argv = [a.replace(str(REPO) + "/", "") for a in argv]
-            print(f"    {launcher} node {0 if is_host else 1}: {env}{shlex.join(argv)}")
+            print(f"    {NAMES[launcher]} node {0 if is_host else 1}: {env}{shlex.join(argv)}")
     print()
     results: dict[str, list[Recovery]] = {name: [] for name in LAUNCHERS}
     for i in range(args.rounds):
-        order = LAUNCHERS if i % 2 == 0 else LAUNCHERS[::-1]
+        order = LAUNCHERS[i % 3:] + LAUNCHERS[:i % 3]
         for launcher in order:
             r = measure_recovery(launcher, args)
             results[launcher].append(r)
             if r.seconds is None:
                 shown = f"did not recover in {args.cap:g} s ({r.note})"
+            elif r.to_resumed is None:
+                shown = f"{r.seconds:.2f} s (first step {r.first_step}, {r.lost} lost)"
             else:
                 shown = (f"{r.seconds:.2f} s (resumed line at {r.to_resumed:.2f} s: from step "
-                         f"{r.resumed_step}, first step {r.first_step})")
+                         f"{r.resumed_step}, first step {r.first_step}, {r.lost} lost)")
             load = os.getloadavg()[0]
-            print(f"    round {i + 1} {launcher:8s} {shown}  [load {load:.2f}]", flush=True)
+            print(f"    round {i + 1} {NAMES[launcher]:16s} {shown}  [load {load:.2f}]",
+                  flush=True)
     print()
-    print("| launcher | recovery, median (s) | runs (s) | kill -> `resumed` line, median (s) |")
-    print("|---|---|---|---|")
+    print("| launcher | recovery, median (s) | runs (s) | kill -> `resumed` line, median (s) "
+          "| steps lost (runs) |")
+    print("|---|---|---|---|---|")
     medians = {}
     for launcher in LAUNCHERS:
         rs = results[launcher]
@@ -276,24 +308,37 @@ def part1(args: argparse.Namespace) -> None:
             med += f" ({len(rs) - len(got)}/{len(rs)} did not recover in {args.cap:g} s)"
         res = [r.to_resumed for r in rs if r.to_resumed is not None]
         to_res = f"{statistics.median(res):.2f}" if res else "-"
-        print(f"| {launcher} | {med} | {runs} | {to_res} |")
-    m, t = medians["meshrun"], medians["torchrun"]
+        lost = ", ".join(str(r.lost) if r.lost is not None else "-" for r in rs)
+        print(f"| {NAMES[launcher]} | {med} | {runs} | {to_res} | {lost} |")
+    m, t, p = medians["meshrun"], medians["torchrun"], medians["in-place"]
+    if p is not None and t is not None and m is not None:
+        print(f"| ratio to torchrun: in place, restart | {p / t:.2f}x, {m / t:.2f}x | | | |")
+    if p is not None:
+        bound = 3.0 + 1.0
+        zero = all(r.lost == 0 for r in results["in-place"])
+        print(f"\ntarget in place (at most the detection bound 3 s + 1 s = {bound:g} s, zero "
+              f"steps lost): {'met' if p <= bound and zero else 'MISSED'} (median {p:.2f} s, "
+              f"steps lost {'0 in every run' if zero else 'not 0 in every run'})")
+    else:
+        print("\ntarget in place: MISSED (no in-place round recovered)")
     if m is not None and t is not None:
         ratio = m / t
-        print(f"| ratio meshrun / torchrun | {ratio:.2f}x | | |")
-        print(f"\ntarget (recovery at most 0.5x torchrun's): "
+        print(f"target restart (recovery at most 0.5x torchrun's): "
               f"{'met' if ratio <= 0.5 else 'MISSED'} ({ratio:.2f}x)")
     elif m is not None:
-        print(f"\ntarget (recovery at most 0.5x torchrun's): met (torchrun did not recover in "
-              f"{args.cap:g} s)")
+        print(f"target restart (recovery at most 0.5x torchrun's): met (torchrun did not "
+              f"recover in {args.cap:g} s)")
     else:
-        print("\ntarget (recovery at most 0.5x torchrun's): MISSED (meshrun did not recover)")
+        print("target restart (recovery at most 0.5x torchrun's): MISSED (meshrun did not "
+              "recover)")
     notes = [f"{name} round: {r.note}" for name in LAUNCHERS for r in results[name] if r.note]
     for note in notes:
         print(f"note: {note}")
     print("\nTime = the benchmark's SIGKILL of node 1 (agent + worker) to the arrival of node "
           "0's first `step N | loss` line after its `resumed from step K` line (detection + "
-          "rendezvous + restart + checkpoint load + one step). Non-default settings: "
+          "rendezvous + restart + checkpoint load + one step); in place, to its first `step N "
+          "| loss` line after the kill (detection + rendezvous + handover + one step). Steps "
+          "lost: trained before the kill and again after it. Non-default settings: "
           "`--max-restarts 3`, `--rdzv-conf is_host=1|0` (both agents share 127.0.0.1), "
           "OMP_NUM_THREADS=1 (both), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torchrun); all else "
           "each launcher's defaults.\n")
