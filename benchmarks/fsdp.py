@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fsdp.py [--steps 20] [--warmup 5] [--rounds 2]
                                         [--models mlp-blocks char-lm] [--mmap-threshold BYTES]
-                                        [--hsdp]
+                                        [--hsdp | --compile]
 
 Same model, same data, 2 ranks on gloo (CPU, one thread per rank), Adam. The FSDP modes shard
 each block, then the root (``reshard_after_forward=True``: ZeRO-3). Every (model, mode) run is
@@ -31,6 +31,17 @@ every parameter, gradient and optimizer state (sharded over 2, replicated over 2
 char-LM batches are cut for 2 ranks). Four ranks share the machine's cores, so the times
 compare the libraries, not a cluster.
 
+``--compile``: instead, eager vs compiled, meshrun ``fully_shard`` beside torch FSDP2's, 2
+ranks, both sharding each block then the root, and compiled the same way: after sharding,
+each block's ``forward`` becomes ``torch.compile(block.forward, fullgraph=True)`` (inductor,
+the default backend; the units' gather/reduce-scatter hooks run eagerly around the graph:
+torchtitan's per-block compile). The first steps compile (a cold inductor compile takes
+seconds per graph), so ``--warmup`` must cover them: the table gives step 0's time (the
+compile) apart, CPU ms/step (``time.process_time()`` of rank 0's process, every thread:
+the work done, which a loaded machine's waiting for a core does not inflate as it does the
+wall time), and graphs / graph breaks (``torch._dynamo.utils.counters``, rank 0). The
+target: compiled meshrun <= 1.1x compiled FSDP2. The MLP only by default.
+
 gloo has no native reduce-scatter: it emulates it (a reduce then a scatter, or an all-reduce),
 so these CPU times measure the library's overhead and overlap, not GPU (NCCL) times.
 
@@ -56,6 +67,7 @@ from _common import make_char_lm, report_rank, spawn_ranks  # noqa: E402 - besid
 
 MODES = ("torch-fsdp2", "meshrun-fsdp", "meshrun-ddp")
 HSDP_MODES = ("torch-hsdp", "meshrun-hsdp", "meshrun-ddp")
+COMPILE_MODES = ("torch-fsdp2", "torch-fsdp2+compile", "meshrun-fsdp", "meshrun-fsdp+compile")
 HSDP_SHAPE = {"dp_replicate": 2, "dp_shard": 2}
 MiB = 2 ** 20
 
@@ -100,6 +112,11 @@ MODELS = {"mlp-blocks": make_mlp, "char-lm": make_char_lm}
 
 def apply_mode(model, mode):
     blocks = list(model.blocks)
+    if mode.endswith("+compile"):  # shard as the eager mode does, then compile each block
+        model = apply_mode(model, mode.removesuffix("+compile"))
+        for block in blocks:
+            block.forward = torch.compile(block.forward, fullgraph=True)
+        return model
     if mode == "meshrun-ddp":
         from meshrun.parallel import ddp
 
@@ -159,15 +176,21 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, world=2):
     unit_bytes = largest_unit_bytes(model)
     model = apply_mode(model, mode)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = []
+    times, cpu = [], []
     for step in range(warmup + steps):
         x, y = batch(step, rank)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss_fn(model, x, y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    report_rank(out_dir, rank, {"times": times[warmup:], "params": n_params,
+        cpu.append(time.process_time() - c0)
+    from torch._dynamo.utils import counters
+
+    report_rank(out_dir, rank, {"times": times[warmup:], "cpu": cpu[warmup:], "first": times[0],
+                                "params": n_params,
+                                "graphs": counters["stats"]["unique_graphs"],
+                                "breaks": sum(counters["graph_break"].values()),
                                 "state_mib": state_bytes(model, opt) / MiB,
                                 "unit_mib": unit_bytes / MiB})
     dist.destroy_process_group()
@@ -190,9 +213,13 @@ def main():
                    help="set MALLOC_MMAP_THRESHOLD_ for the workers (glibc; see above)")
     p.add_argument("--hsdp", action="store_true",
                    help="HSDP on 4 ranks (2 replicas x 2 shards) vs torch FSDP2's HSDP")
+    p.add_argument("--compile", action="store_true",
+                   help="eager vs per-block torch.compile (inductor), meshrun vs torch FSDP2")
     args = p.parse_args()
+    if args.hsdp and args.compile:
+        p.error("--hsdp and --compile are separate tables: give one")
     if args.models is None:
-        args.models = ["mlp-blocks"] if args.hsdp else list(MODELS)
+        args.models = ["mlp-blocks"] if args.hsdp or args.compile else list(MODELS)
     if args.hsdp and "char-lm" in args.models:
         p.error("--hsdp runs 4 ranks, but the char-lm batches (benchmarks/_common.py) are cut "
                 "for 2 ranks: use --models mlp-blocks")
@@ -201,6 +228,8 @@ def main():
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
 
     threshold = "" if args.mmap_threshold is None else f" --mmap-threshold {args.mmap_threshold}"
+    if args.compile:
+        return compile_table(args, threshold)
     world, modes, peer = (4, HSDP_MODES, "torch-hsdp") if args.hsdp else (2, MODES, "torch-fsdp2")
     print(f"`python benchmarks/fsdp.py --steps {args.steps} --warmup {args.warmup} "
           f"--rounds {args.rounds} --models {' '.join(args.models)}{threshold}"
@@ -229,6 +258,39 @@ def main():
         print(f"| {model_name} | | bound | <= {1.2 * ms[peer]:.1f} | 1.20x | "
               f"<= {bound:.1f} (ddp/{shards} + largest unit {unit_mib:.1f}) | | |")
 
+
+def compile_table(args, threshold):
+    """``--compile``: eager and per-block compiled step times, meshrun and torch FSDP2."""
+    print(f"`python benchmarks/fsdp.py --compile --steps {args.steps} --warmup {args.warmup} "
+          f"--rounds {args.rounds} --models {' '.join(args.models)}{threshold}` (2 ranks, gloo, "
+          f"CPU, inductor; load average {os.getloadavg()[0]:.1f})\n")
+    print("| model | mode | ms/step | CPU ms/step | compiled / eager | vs torch-fsdp2, same mode "
+          "| step 0 s | graphs | graph breaks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model_name in args.models:
+        times = {m: [] for m in COMPILE_MODES}
+        cpu = {m: [] for m in COMPILE_MODES}
+        first = {m: [] for m in COMPILE_MODES}
+        graphs = {}
+        for _ in range(args.rounds):
+            for mode in COMPILE_MODES:
+                ranks = run(model_name, mode, args.steps, args.warmup)
+                times[mode] += ranks[0]["times"]
+                cpu[mode] += ranks[0]["cpu"]
+                first[mode].append(ranks[0]["first"])
+                graphs[mode] = (ranks[0]["graphs"], ranks[0]["breaks"])
+        ms = {m: 1000 * statistics.median(times[m]) for m in COMPILE_MODES}
+        cms = {m: 1000 * statistics.median(cpu[m]) for m in COMPILE_MODES}
+        for mode in COMPILE_MODES:
+            eager = mode.removesuffix("+compile")
+            peer = "torch-fsdp2+compile" if mode.endswith("+compile") else "torch-fsdp2"
+            print(f"| {model_name} | {mode} | {ms[mode]:.1f} | {cms[mode]:.1f} | "
+                  f"{ms[mode] / ms[eager]:.2f}x (CPU {cms[mode] / cms[eager]:.2f}x) | "
+                  f"{ms[mode] / ms[peer]:.2f}x (CPU {cms[mode] / cms[peer]:.2f}x) | "
+                  f"{statistics.median(first[mode]):.1f} | {graphs[mode][0]} | "
+                  f"{graphs[mode][1]} |")
+        print(f"| {model_name} | target | <= {1.1 * ms['torch-fsdp2+compile']:.1f} | "
+              f"<= {1.1 * cms['torch-fsdp2+compile']:.1f} | | 1.10x (compiled) | | | |")
 
 if __name__ == "__main__":
     main()
