@@ -51,6 +51,22 @@ Two bubbles, medians over steps, both from those compute times (busy_r: rank r's
   varying cost on the critical path lengthens it, so this bubble sits a little above the
   formula even for a balanced model.
 
+The model is balanced in blocks, not in work: stage 0 computes no input gradient (its first
+block's dX is never needed) and the last stage adds the loss, so with the backward split the
+ranks' totals differ by 5-7 % (medians, CPU clock: ZB-H1 rank 0 31.7 ms per microbatch, rank
+1 33.6 ms). ``bubble sched`` counts the lighter rank's idle time, which no order can remove,
+and the formula at the mean costs does not, so their ratio (1.3-1.7) measures the imbalance,
+not the schedule. The fair comparison, in ``bottleneck sched`` / ``bottleneck formula``, is
+that of the rank with the most work in the step (the one that sets the step time):
+``1 - busy_b / makespan`` of the replay against the formula's fraction at that rank's own
+mean costs (`bubble_formula`, or `zero_bubble_formula` with its mean F and B = W = (B + W) /
+2 per stage microbatch), i.e. the paper's analysis of a pipeline whose every stage costs
+what the bottleneck's does; the ratio row gives their per-step ratio (median). For ZB-V it
+also gives that ratio with each B replayed at its microbatch's F cost and W the rest (the
+paper's F = B): a chunk's B here costs 8-10 % more than its F, and one B lies on the path
+that fills the V (rank p-1 waits for the last stage's F and B while it runs two chunk
+forwards), which the formula, derived for F = B = W, does not count.
+
 ``--clock cpu`` times each action with ``time.thread_time`` (the CPU time of the rank's main
 thread, where both libraries compute) instead of the wall clock: on a machine loaded by other
 jobs a rank waits for a core in the middle of an action, which the wall clock counts as the
@@ -343,8 +359,44 @@ def formula_bubble(name, ranks, steps):
                                backward_input=half, weight=half)
 
 
+def bottleneck_bubble(name, ranks, i, sim):
+    """(replayed bubble, formula bubble) of step i's bottleneck rank (the one with most work).
+
+    The replayed one is ``1 - busy_b / makespan`` from ``sim``; the formula's is the textbook
+    or `zero_bubble_formula` fraction at the bottleneck rank's own mean costs (B = W), that is
+    the paper's analysis of a pipeline whose every stage costs what the bottleneck's does."""
+    from meshrun.parallel.pipelining import bubble_formula, zero_bubble_formula
+
+    b = max(sim.busy, key=sim.busy.get)
+    v = SCHEDULES[name][0]
+    if name not in SPLIT:
+        return 1 - sim.busy[b] / sim.makespan, bubble_formula(P, N_MICRO, v)
+    forwards = [c[3] for c in ranks[b]["costs"][i] if c[1] == "F"]
+    forward = statistics.mean(forwards)
+    half = (sim.busy[b] / len(forwards) - forward) / 2  # mean (B + W) / 2 per stage microbatch
+    return 1 - sim.busy[b] / sim.makespan, zero_bubble_formula(
+        name.lower(), P, N_MICRO, forward=forward, backward_input=half, weight=half)
+
+
+def b_as_f(ranks, i):
+    """Step i's costs with each B costing its microbatch's F and W the rest of B + W (>= 0):
+    the paper's F = B assumption, the stage's total work kept (for ZB-V's last column)."""
+    out = []
+    for r in ranks:
+        cost = {(s, kind, m): d for s, kind, m, d in r["costs"][i]}
+        step = []
+        for (s, kind, m), d in cost.items():
+            if kind == "B":
+                d = cost[(s, "F", m)]
+            elif kind == "W":
+                d = max(0.0, cost[(s, "B", m)] + d - cost[(s, "F", m)])
+            step.append((s, kind, m, d))
+        out.append({**r, "costs": {i: step}})
+    return out
+
+
 def schedule_bubble(name, ranks, i):
-    """(bubble, makespan) of step i replayed by `simulate` with its measured action costs."""
+    """(bubble, makespan, simulation) of step i replayed by `simulate` with its measured costs."""
     from meshrun.parallel.pipelining import simulate
 
     order, n_stages = order_of(name)
@@ -355,7 +407,7 @@ def schedule_bubble(name, ranks, i):
                            f"{len(expected)} (one forward and one backward, and W where "
                            f"split, per stage and microbatch)")
     sim = simulate(order, n_stages, cost=lambda a: cost[(a.stage, a.kind, a.microbatch)])
-    return sim.bubble_fraction, sim.makespan
+    return sim.bubble_fraction, sim.makespan, sim
 
 
 def main():
@@ -383,14 +435,17 @@ def main():
           f"{shape.blocks} equal blocks of {shape.width}; action clock {args.clock}; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| schedule | library | ms/step | CPU ms/step | peak RSS MiB | bubble wall | "
-          "bubble sched | bubble formula | overhead ms/step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "bubble sched | bubble formula | bottleneck sched | bottleneck formula | overhead ms/step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.schedules:
         times = {lib: [] for lib in LIBS}
         cpus = {lib: [] for lib in LIBS}
         walls = {lib: [] for lib in LIBS}
         scheds = {lib: [] for lib in LIBS}
         overheads = {lib: [] for lib in LIBS}
+        necks = {lib: [] for lib in LIBS}  # the bottleneck rank's replayed bubble, per step
+        neck_formulas = {lib: [] for lib in LIBS}  # the formula at that rank's costs
+        necks_b_as_f = {lib: [] for lib in LIBS}  # ZB-V: their ratio with B costing F
         rss = {lib: 0.0 for lib in LIBS}
         formulas = []
         for _ in range(args.rounds):
@@ -402,8 +457,16 @@ def main():
                     pipe = max(r["pipe"][i] for r in ranks)
                     busy = sum(c[3] for r in ranks for c in r["costs"][i])
                     walls[lib].append(1 - busy / (P * pipe))
-                    bubble, makespan = schedule_bubble(name, ranks, i)
+                    bubble, makespan, sim = schedule_bubble(name, ranks, i)
                     scheds[lib].append(bubble)
+                    neck, neck_formula = bottleneck_bubble(name, ranks, i, sim)
+                    necks[lib].append(neck)
+                    neck_formulas[lib].append(neck_formula)
+                    if name == "ZBV":
+                        equal = b_as_f(ranks, i)
+                        a, f = bottleneck_bubble(name, equal, i,
+                                                 schedule_bubble(name, equal, i)[2])
+                        necks_b_as_f[lib].append(a / f)
                     overheads[lib].append(pipe - makespan)
                 rss[lib] = max(rss[lib], *(r["rss_mib"] for r in ranks))
                 formulas.append(formula_bubble(name, ranks, args.steps))
@@ -415,12 +478,20 @@ def main():
             over = (f"{1000 * statistics.median(overheads[lib]):.1f}" if args.clock == "wall"
                     else "-")  # both need action costs on the wall clock
             print(f"| {name} | {lib} | {ms[lib]:.1f} | {cpu[lib]:.1f} | {rss[lib]:.0f} | "
-                  f"{wall} | {statistics.median(scheds[lib]):.3f} | {formula:.3f} | {over} |")
+                  f"{wall} | {statistics.median(scheds[lib]):.3f} | {formula:.3f} | "
+                  f"{statistics.median(necks[lib]):.3f} | "
+                  f"{statistics.median(neck_formulas[lib]):.3f} | {over} |")
         sched = {lib: statistics.median(scheds[lib]) for lib in LIBS}
+        neck = {lib: statistics.median(a / f for a, f in zip(necks[lib], neck_formulas[lib],
+                                                            strict=True)) for lib in LIBS}
         print(f"| {name} | ratio meshrun/torch | {ms['meshrun'] / ms['torch']:.3f}x | "
               f"{cpu['meshrun'] / cpu['torch']:.3f}x | {rss['meshrun'] / rss['torch']:.3f}x | | "
               f"{sched['meshrun'] / sched['torch']:.3f}x | sched/formula: "
-              f"{sched['meshrun'] / formula:.2f} (torch {sched['torch'] / formula:.2f}) | |")
+              f"{sched['meshrun'] / formula:.2f} (torch {sched['torch'] / formula:.2f}) | | "
+              f"sched/formula: {neck['meshrun']:.2f} (torch {neck['torch']:.2f})"
+              + ("; with B = F: {:.2f} (torch {:.2f})".format(
+                  *(statistics.median(necks_b_as_f[lib]) for lib in LIBS[::-1]))
+                 if name == "ZBV" else "") + " | |")
 
 
 if __name__ == "__main__":
