@@ -1,11 +1,12 @@
 """torch.compile(block.forward, fullgraph=True, backend="aot_eager") per block under ddp,
-fully_shard and parallelize: equal to eager, one graph per block (workers/compile_checks.py,
-one 2-rank launch)."""
+fully_shard, parallelize and in pipeline stages (1F1B, ZB-H1): equal to eager, one graph per
+block (workers/compile_checks.py, one 2-rank launch)."""
 
 import pytest
 from harness import launch
 
-CHECKS = ["check_compile_ddp", "check_compile_fully_shard", "check_compile_parallelize"]
+CHECKS = ["check_compile_ddp", "check_compile_fully_shard", "check_compile_parallelize",
+           "check_compile_pipeline_1f1b", "check_compile_pipeline_zbh1"]
 
 
 @pytest.fixture(scope="module")
