@@ -13,7 +13,7 @@ reduce-scatters the gradients, so each rank receives the average gradient of its
 
 Files, one concern each (after torch/distributed/fsdp/_fully_shard/):
 
-- api.py: `fully_shard`, `FSDPModule` (``set_requires_gradient_sync``,
+- api.py: `fully_shard`, `FSDPModule` (``set_requires_gradient_sync``, ``register_comm_hook``,
   ``set_reshard_after_forward``), `MixedPrecisionPolicy`.
 - layout.py: per-parameter dim-0 sharding (``torch.chunk`` rows, padded internally), packing
   for the all-gather / reduce-scatter.

@@ -61,9 +61,91 @@ class FSDPModule:
         for unit in self._fsdp_units(recurse):
             unit.reshard_after_forward = reshard_after_forward
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """True (the default): the end of each backward (each autograd call) frees the
+        unsharded parameters of every unit that a backward left unsharded. False: keep them
+        until each forward's own backward has produced the unit's gradients (where they are
+        freed anyway): for a backward split into separate autograd calls, as the zero-bubble
+        pipeline schedules' B then W (the pipeline sets it for the step; it costs one
+        unsharded copy of the unit per microbatch between its B and its W). Mirrors FSDP2's
+        method of that name; ``recurse``: also every `fully_shard` unit below this module."""
+        for unit in self._fsdp_units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """HSDP: average each unit's shard gradient over the replicas with
+        ``hook(state, bucket)`` instead of the plain all-reduce; for this module's unit and
+        every unit below it. Register before the first backward.
+
+        The replica all-reduce is DDP's over ``mesh.group("dp_replicate")``, so it takes DDP's
+        hooks and their contract (`meshrun.parallel.comm_hooks`): ``bucket.buffer()`` is the
+        unit's flat reduced shard, averaged over ``dp_shard`` but not yet over the replicas
+        (in ``reduce_dtype``); ``bucket.gradients()`` its per-parameter rows, named by
+        ``bucket.parameter_names()`` from this module (empty rows and frozen parameters left
+        out); one bucket per unit and backward, in the order the reduce-scatters finish (the
+        same on every rank), ``is_last()`` on the backward's last. Built-in hooks:
+        ``register_comm_hook(mesh.group("dp_replicate"), fp16_compress_hook)`` (or
+        ``bf16_compress_hook``, ``allreduce_hook``), and
+        ``register_comm_hook(PowerSGDState(mesh.group("dp_replicate"), ...), powerSGD_hook)``
+        (its state keyed by these names, saved by `meshrun.parallel.checkpoint`). The
+        reduce-scatter within ``dp_shard`` is not hooked (compress it with
+        ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``).
+
+        Args:
+            state: passed to every call as is: the replica group for the stateless hooks, a
+                `comm_hooks.PowerSGDState` on the replica group for PowerSGD.
+            hook: ``hook(state, bucket: GradBucket)`` returning the replica-averaged bucket:
+                a Tensor, or a ``torch.futures.Future`` / `comm_hooks.Pending` of one.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+            ValueError: a unit here is not HSDP (it has no replica all-reduce to hook: give
+                ``fully_shard`` a ``("dp_replicate", "dp_shard")`` mesh), or ``state`` is (or
+                holds, as ``state.process_group``) a process group other than the replica
+                group (None names the whole world).
+            RuntimeError: a hook is already registered on one of the units.
+
+        torch has no hook for HSDP: FSDP1's ``register_comm_hook`` replaces the
+        reduce-scatter and refuses hybrid sharding; FSDP2's ``set_all_reduce_hook`` runs after
+        the all-reduce, not instead of it. This is DDP's ``register_comm_hook`` applied to the
+        replica all-reduce.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable as hook(state, bucket) "
+                            f"(got {type(hook).__name__})")
+        units = [u for u in self._fsdp_units(recurse=True) if u.params]
+        for unit in units:
+            where = unit.fqns[0][0] if unit.fqns else type(unit.module).__name__
+            if unit.replicate_group is None:
+                raise ValueError(f"register_comm_hook: the fully_shard unit holding {where!r} "
+                                 f"is not HSDP, so it has no replica all-reduce to hook; shard "
+                                 f"with mesh=Mesh({{'dp_replicate': R, 'dp_shard': S}}) (ddp's "
+                                 f"own register_comm_hook covers unsharded data parallelism)")
+            if unit.replica_hook is not None:
+                raise RuntimeError(f"register_comm_hook: the unit holding {where!r} already "
+                                   f"has a hook; one hook per unit (torch's rule)")
+        group = state if state is None or isinstance(state, dist.ProcessGroup) \
+            else getattr(state, "process_group", _NO_GROUP)
+        if group is not _NO_GROUP and units and _ranks(group) != _ranks(units[0].replicate_group):
+            raise ValueError(f"register_comm_hook: the hook's group has ranks {_ranks(group)}, "
+                             f"but this rank's replica group is "
+                             f"{_ranks(units[0].replicate_group)}; pass "
+                             f"mesh.group('dp_replicate') (as the state, or as PowerSGDState's "
+                             f"process_group)")
+        for unit in units:
+            unit.replica_hook = (state, hook)
+
     def _fsdp_units(self, recurse: bool) -> list[Unit]:
         modules = self.modules() if recurse else [self]
         return [m._fsdp_unit for m in modules if isinstance(m, FSDPModule)]
+
+
+_NO_GROUP = object()  # a hook state that names no process group
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
 
 
 _FSDP_CLASSES: dict[type, type] = {}

@@ -34,6 +34,16 @@ Note: the unit and autograd.
   reduce-scatter within the shard group, the shard's gradient is all-reduced over the
   replicas (the mean over all R x S ranks), so memory is that of FSDP over S and only 1/S of
   the gradient crosses the replica groups (across nodes, when a shard group is one node).
+  That all-reduce is DDP's over the replicas, and takes DDP's communication hooks
+  (`FSDPModule.register_comm_hook`): each unit's reduced shard is one `comm_hooks.GradBucket`
+  (buckets in the order the reduce-scatters finish, the same on every rank), so fp16/bf16
+  compression or PowerSGD shrink what crosses the replica groups.
+- Split backward (zero-bubble pipelines run a microbatch's B, the input gradient, and W, the
+  weight gradients, as separate autograd calls): the end of B must not free the unsharded
+  tensors W still reads (autograd unpacks every tensor a node saved, the weight included,
+  even where W computes only dW), so the pipeline sets ``set_reshard_after_backward(False)``
+  for the step; each microbatch's tensors are then freed by its own `AllGatherParams`
+  backward, in its W (the unit's one reduce-scatter, or accumulation without sync, is there).
 - No sync (`set_requires_gradient_sync(False)`): backward adds the packed unsharded gradients
   into a buffer the size of the unsharded unit and communicates nothing; the next synchronised
   backward adds its gradients to that buffer and reduce-scatters it (gradient accumulation
@@ -53,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from meshrun.parallel import comm_hooks
 from meshrun.parallel._comm import (
     all_gather_flat,
     all_reduce_,
@@ -110,6 +121,7 @@ class Root:
         self.order: list[Unit] = []  # units in the order their forward started, this pass
         self.previous: list[Unit] = []  # ... in the previous forward (forward prefetch)
         self.pending: list[tuple[Unit, dist.Work, torch.Tensor, torch.Tensor]] = []
+        self.buckets = 0  # reduce-scatters finished this backward (HSDP hooks' bucket index)
         self.in_forward = False
         self.in_backward = False
         self.inputs_checked = False  # the data check's once (`meshrun.parallel.data_check`)
@@ -120,6 +132,7 @@ class Root:
                 wait(work)
             self.pending = []
             self.in_backward = False
+            self.buckets = 0
         if self.order:
             self.previous = self.order
         self.order = []
@@ -156,30 +169,33 @@ class Root:
         # one reduce-scatter in flight while the next unit's backward runs: finishing the older
         # one first bounds the packed-gradient buffers alive to two units
         while self.pending:
-            self._finish(self.pending.pop(0))
+            self._finish(self.pending.pop(0), last=False)
         self.pending.append(entry)
 
     def finish_backward(self) -> None:
         """End of backward: finish reduce-scatters, drop stray prefetches, free unsharded."""
         try:
-            while self.pending:
-                self._finish(self.pending.pop(0))
+            while self.pending:  # the last one finished here is the backward's last bucket
+                self._finish(self.pending.pop(0), last=len(self.pending) == 0)
             for unit in self.units:
                 unit.drop_gather()
                 unit._install(unit.params)  # a unit whose backward did not run to its end
-                if unit.full is not None:
+                if unit.full is not None and unit.reshard_after_backward:
                     for t in unit.full:
                         _free(t)
         finally:
             self.in_backward = False
+            self.buckets = 0
         heartbeat()  # one backward done: progress for `meshrun --hang-timeout`
 
-    @staticmethod
-    def _finish(entry) -> None:
+    def _finish(self, entry, last: bool) -> None:
         unit, work, output, _packed = entry
         wait(work)
-        if unit.replicate_group is not None:  # HSDP: sum the replicas' shard gradients
+        if unit.replica_hook is not None:  # HSDP with a hook: it averages over the replicas
+            unit.reduce_replicas(output, self.buckets, last)
+        elif unit.replicate_group is not None:  # HSDP: sum the replicas' shard gradients
             all_reduce_(output, unit.replicate_group)
+        self.buckets += 1
         unit.accumulate_shard_grads(output)
 
 
@@ -195,9 +211,12 @@ class Unit:
         # HSDP: the shard is replicated over this group; its gradients are all-reduced there
         self.replicate_group = replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group else 1
+        self.replica_hook: tuple[object, object] | None = None  # (state, hook), HSDP only
+        self.bucket_prefix = ""  # the unit module's name under its root: bucket names
         self.params, self.aliases, self.fqns = params, aliases, fqns  # fqns: per alias
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True  # False: the end of backward keeps them (see api)
         self.mp = mp_policy
         self.root: Root | None = None
         self.full: list[torch.Tensor] | None = None  # unsharded tensors of the latest forward
@@ -347,6 +366,9 @@ class Unit:
             root = Root(self, units)
             for unit in units:
                 unit.root = root
+            for name, m in self.module.named_modules():
+                if hasattr(m, "_fsdp_unit") and name:
+                    m._fsdp_unit.bucket_prefix = name + "."
         return self.root
 
     # -- backward ---------------------------------------------------------------------------
@@ -373,9 +395,25 @@ class Unit:
             self.grad_accum = packed
             return
         self.grad_accum = None
-        packed.div_(self.world_size * self.replicas)  # the mean (gloo has no ReduceOp.AVG)
+        # the mean (gloo has no ReduceOp.AVG); a replica hook divides by the replicas itself
+        packed.div_(self.world_size * (1 if self.replica_hook is not None else self.replicas))
         output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.root.add_pending((self, reduce_scatter_flat(output, packed, self.group), output, packed))
+
+    @torch.no_grad()
+    def reduce_replicas(self, output: torch.Tensor, index: int, last: bool) -> None:
+        """HSDP with a hook: ``output`` (this shard group's mean gradient, flat) becomes the
+        mean over the replicas too, by ``hook(state, bucket)``, in place."""
+        state, hook = self.replica_hook
+        keep = [i for i, p in enumerate(self.params)
+                if p.requires_grad and self.layout.local_view(output, i).numel()]
+        bucket = comm_hooks.GradBucket(
+            index, output, [self.layout.local_view(output, i) for i in keep],
+            [self.params[i] for i in keep], [self.bucket_prefix + self.fqns[i][0] for i in keep],
+            last)
+        result = comm_hooks.resolve(hook(state, bucket), bucket)
+        if result is not output:
+            output.copy_(result.view_as(output))
 
     @torch.no_grad()
     def accumulate_shard_grads(self, output: torch.Tensor) -> None:

@@ -1,0 +1,199 @@
+"""Worker: communication hooks on HSDP's replica all-reduce, 4 ranks (2 replicas x 2 shards).
+
+Three runs side by side from the same weights, SGD, every step: HSDP with the hook, HSDP
+without one (the uncompressed run), and one process on the global batch (the reference).
+Gradients are compared whole (`full_tensor` over the shard axis), then parameters.
+
+- ``allreduce_hook``: equal to both; one bucket per unit and backward, indexed in finishing
+  order, ``is_last`` on the last, named from the root;
+- fp16 / bf16 compression: within 1e-2 relative of both, and not equal to the uncompressed
+  run (the hook ran);
+- PowerSGD, rank 1, compressing from step 2: exact when the average gradient is of rank 1
+  (every sample the same input, so each weight gradient is ``(sum of output grads) x^T``),
+  error feedback included; with inputs that differ it is not exact (the check can fail);
+- refusals: a unit that is not HSDP, and a hook state on another group than the replicas.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.parallel import Mesh, full_tensor, fully_shard
+from meshrun.parallel.comm_hooks import (
+    PowerSGDState,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    powerSGD_hook,
+)
+from tests.parallel.harness import run_checks
+
+B = 2  # samples per rank
+SHAPE = {"dp_replicate": 2, "dp_shard": 2}
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32, bias=False), nn.Tanh(), nn.Linear(32, 12),
+                         nn.Tanh(), nn.Linear(12, 1))
+
+
+def hsdp(m, mesh):
+    for layer in (m[0], m[2], m[4]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
+def batch(step, rank=None, same_input=False):
+    g = torch.Generator().manual_seed(10 + step)
+    x, y = torch.randn(4 * B, 16, generator=g), torch.randn(4 * B, 1, generator=g)
+    if same_input:
+        x = x[:1].expand(4 * B, 16)
+    return (x, y) if rank is None else (x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+
+
+def grads(m):
+    return [full_tensor(p, p.grad) for p in m.parameters()]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def train(register, steps, check, same_input=False):
+    """HSDP with ``register(model, mesh)``, HSDP without, and one process; ``check(step,
+    hooked_grads, plain_grads, ref_grads)`` each step. Each model steps on its own grads."""
+    mesh = Mesh(SHAPE)
+    rank = dist.get_rank()
+    ref = model()
+    hooked, plain = hsdp(copy.deepcopy(ref), mesh), hsdp(copy.deepcopy(ref), mesh)
+    register(hooked, mesh)
+    models = (hooked, plain, ref)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(steps):
+        for m, opt in zip(models, opts, strict=True):
+            x, y = batch(step, None if m is ref else rank, same_input)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        check(step, grads(hooked), grads(plain), [p.grad for p in ref.parameters()])
+        for opt in opts:
+            opt.step()
+    return models
+
+
+def check_allreduce_hook(ctx):
+    calls = []
+
+    def counting(state, bucket):
+        calls.append((bucket.index(), bucket.is_last(), tuple(bucket.parameter_names())))
+        return allreduce_hook(state, bucket)
+
+    def check(step, hooked, plain, ref):
+        for name, a, b, c in zip(NAMES, hooked, plain, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, n=name:
+                                       f"step {step} {n} vs uncompressed HSDP: {m}")
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name:
+                                       f"step {step} {n} vs one process: {m}")
+
+    train(lambda m, mesh: m.register_comm_hook(mesh.group("dp_replicate"), counting), 2, check)
+    shard = dist.get_rank(Mesh(SHAPE).group("dp_shard"))
+    # backward finishes the units last layer first; layer 4's parameters have one row, none
+    # on shard rank 1 (torch.chunk), so that rank's bucket for it names nothing
+    last_names = ("4.weight", "4.bias") if shard == 0 else ()
+    expected = [(0, False, last_names), (1, False, ("2.weight", "2.bias")),
+                (2, True, ("0.weight",))] * 2
+    assert calls == expected, calls
+
+
+NAMES = ["0.weight", "2.weight", "2.bias", "4.weight", "4.bias"]
+
+
+def compression(hook, dtype_tol):
+    def check(step, hooked, plain, ref):
+        for name, a, b, c in zip(NAMES, hooked, plain, ref, strict=True):
+            assert rel(a, b) < dtype_tol, f"step {step} {name}: {rel(a, b):.2e} vs uncompressed"
+            assert rel(a, c) < dtype_tol, f"step {step} {name}: {rel(a, c):.2e} vs one process"
+        assert any(not torch.equal(a, b) for a, b in zip(hooked, plain, strict=True)), \
+            f"step {step}: compressed gradients bit-equal to uncompressed (hook not applied?)"
+
+    train(lambda m, mesh: m.register_comm_hook(mesh.group("dp_replicate"), hook), 2, check)
+
+
+def check_fp16_compress_hook(ctx):
+    compression(fp16_compress_hook, 1e-2)
+
+
+def check_bf16_compress_hook(ctx):
+    compression(bf16_compress_hook, 1e-2)
+
+
+def powersgd(same_input):
+    states = []
+
+    def register(m, mesh):
+        states.append(PowerSGDState(mesh.group("dp_replicate"), matrix_approximation_rank=1,
+                                    start_powerSGD_iter=2))
+        m.register_comm_hook(states[0], powerSGD_hook)
+
+    errors = []
+
+    def check(step, hooked, plain, ref):
+        errors.append(max(rel(a, c) for a, c in zip(hooked, ref, strict=True)))
+        if same_input:
+            for name, a, b, c in zip(NAMES, hooked, plain, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name:
+                                           f"step {step} {n} vs uncompressed HSDP: {m}")
+                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name:
+                                           f"step {step} {n} vs one process: {m}")
+
+    train(register, 4, check, same_input)
+    state = states[0]
+    assert state.iter == 4, state.iter
+    ratio = state.compression_stats()[0]
+    assert sorted(state.error_dict) == ["0.weight", "2.weight"] and ratio > 1, \
+        (list(state.error_dict), ratio)
+    return errors
+
+
+def check_powersgd_exact_on_rank_one(ctx):
+    powersgd(same_input=True)
+
+
+def check_powersgd_approximates_otherwise(ctx):
+    errors = powersgd(same_input=False)
+    assert max(errors[:2]) < 1e-5, errors  # plain all-reduce before start_powerSGD_iter
+    assert min(errors[2:]) > 1e-3, errors  # rank 1 of a rank-16 gradient: not exact
+
+
+def check_refusals(ctx):
+    mesh = Mesh(SHAPE)
+    flat = fully_shard(model())
+    try:
+        flat.register_comm_hook(None, allreduce_hook)
+    except ValueError as e:
+        assert "not HSDP" in str(e), e
+    else:
+        raise AssertionError("a hook on plain fully_shard was accepted")
+    m = hsdp(model(), mesh)
+    for state in (None, mesh.group("dp_shard"), PowerSGDState(None, start_powerSGD_iter=2)):
+        try:
+            m.register_comm_hook(state, allreduce_hook)
+        except ValueError as e:
+            assert "replica group" in str(e), e
+        else:
+            raise AssertionError(f"a hook on group {state} was accepted")
+    m.register_comm_hook(mesh.group("dp_replicate"), allreduce_hook)
+    try:
+        m.register_comm_hook(mesh.group("dp_replicate"), allreduce_hook)
+    except RuntimeError as e:
+        assert "already" in str(e), e
+    else:
+        raise AssertionError("a second hook was accepted")
+
+
+if __name__ == "__main__":
+    run_checks([check_allreduce_hook, check_fp16_compress_hook, check_bf16_compress_hook,
+                check_powersgd_exact_on_rank_one, check_powersgd_approximates_otherwise,
+                check_refusals])
