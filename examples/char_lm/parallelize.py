@@ -167,11 +167,6 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
         return (f"--pp-schedule {args.pp_schedule} schedules a pipeline, but there is none "
                 f"(--pp 1): add --pp N (N > 1 pipeline ranks), or drop --pp-schedule")
     zero_bubble = pp > 1 and args.pp_schedule in ("zbh1", "zbv")
-    if zero_bubble and dp * cp > 1 and args.dp_mode == "fsdp":
-        return (f"--pp-schedule {args.pp_schedule} splits each backward into B and W, and "
-                f"fully_shard frees the unsharded parameters at the end of B while W still "
-                f"needs them; with --dp use --dp-mode ddp, or --pp-schedule 1f1b or "
-                f"interleaved1f1b")
     if zero_bubble and cp > 1:
         return (f"--pp-schedule {args.pp_schedule} with --cp is not tested yet; with --cp use "
                 f"--pp-schedule 1f1b or interleaved1f1b")

@@ -471,7 +471,7 @@ def test_zero_bubble_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"schedule 'zbv' runs 2 stage\(s\) per rank, but there "
                                          r"are 3 stages on 1 ranks"):
         pipeline([nn.Linear(2, 2) for _ in range(3)], schedule="zbv", n_microbatches=2)
-    class Sharded(nn.Linear):  # what fully_shard adds
+    class Sharded(nn.Linear):  # FSDP-style, without set_reshard_after_backward
         def set_requires_gradient_sync(self, enabled):
             raise AssertionError("not reached")
 
@@ -479,8 +479,8 @@ def test_zero_bubble_errors_name_the_fix():
         def no_sync(self):
             raise AssertionError("not reached")
 
-    with pytest.raises(NotImplementedError, match="stage 0 is under fully_shard, whose "
-                                                  "end-of-backward frees .* use ddp"):
+    with pytest.raises(NotImplementedError, match="stage 0 switches gradient sync like FSDP "
+                                                  "but has no set_reshard_after_backward"):
         ScheduleZBH1(PipelineStage(Sharded(2, 2), 0, 1), 2, mse)
     with pytest.raises(NotImplementedError, match="stage 0 has ddp on a submodule, not on the "
                                                   "stage module itself"):

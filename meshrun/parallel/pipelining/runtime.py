@@ -60,8 +60,11 @@ weight gradients come from the W's, each one autograd call per group of layers, 
 of them may run long after the last B: with ddp on a stage module every W accumulates inside
 ``no_sync`` and, after that stage's last W of the step, one backward that adds zero to each
 gradient lets ddp all-reduce the sums (`_synchronised_backward`), so the reduction waits for
-the last W and runs once. fully_shard stages are refused with split backwards: its end of
-backward (after B) frees the unsharded parameters that W still needs.
+the last W and runs once. A fully_shard stage module is switched to
+``set_reshard_after_backward(False)`` at its B's (the end of B would otherwise free the
+unsharded parameters that W still reads; each microbatch's are freed in its own W) and back
+after its last W; gradient sync is off for every W but the stage's last, in which each unit
+reduce-scatters once (a W is one autograd call per unit: a unit's layers share its gather).
 
 Eval: ``eval(*args, target=None, losses=None)`` runs the forwards of the same order under
 ``torch.no_grad()`` (losses too when a target is given); nothing is kept for backward.
@@ -174,13 +177,13 @@ class PipelineSchedule:
         self._by_index = {st.stage_index: st for st in stages}
         self._split = split_stages(order)  # stages whose backward is B then W
         for st in stages:
-            if st.stage_index in self._split and _fsdp_style(st.submodule):
+            if (st.stage_index in self._split and _fsdp_style(st.submodule)
+                    and not hasattr(st.submodule, "set_reshard_after_backward")):
                 raise NotImplementedError(
-                    f"PipelineSchedule: stage {st.stage_index} is under fully_shard, whose "
-                    f"end-of-backward frees the unsharded parameters after B while W still "
-                    f"needs them, and this order splits its backward into B and W; use ddp "
-                    f"(dp-mode ddp) with a zero-bubble schedule, or a schedule without W "
-                    f"actions (1f1b, interleaved1f1b) with fully_shard")
+                    f"PipelineSchedule: stage {st.stage_index} switches gradient sync like "
+                    f"FSDP but has no set_reshard_after_backward, which a split backward "
+                    f"needs (the end of B must keep the unsharded parameters for W); use "
+                    f"meshrun's fully_shard or ddp, or a schedule without W actions")
             if (st.stage_index in self._split and _data_parallel(st.submodule)
                     and not hasattr(st.submodule, "no_sync")):
                 raise NotImplementedError(
@@ -401,6 +404,8 @@ class _Step:
             tensors, grad_tensors = [o for o, _ in pairs], [g for _, g in pairs]
         floats = [x for x in inputs if x.is_floating_point()]
         if s in self.sched._split:  # B now (the input gradient), W later
+            if _fsdp_style(stage.submodule):  # keep the unsharded parameters for W
+                stage.submodule.set_reshard_after_backward(False)
             params = [p for p in stage.submodule.parameters() if p.requires_grad]
             grads, self.weights[(s, m)] = backward_input(tensors, grad_tensors, floats, params)
         else:
@@ -424,7 +429,10 @@ class _Step:
             if last:
                 _synchronised_backward(module)
             return
-        self.weights.pop((s, m)).backward_weight()
+        with gradient_sync(module, last):  # fully_shard: reduce-scatter in the last W
+            self.weights.pop((s, m)).backward_weight()
+        if last and _fsdp_style(module):
+            module.set_reshard_after_backward(True)  # each W freed its microbatch's own
 
     def _check_outputs(self, stage: PipelineStage, m: int, outputs: list):
         bad = [type(o).__name__ for o in outputs if not isinstance(o, torch.Tensor)]

@@ -10,9 +10,10 @@ against ``torch.nn.utils.clip_grad_norm_`` (clipping active), and the full gradi
 parameters. Full tensors are rebuilt from every rank's blocks (`placement.pieces`: TP shards,
 FSDP rows, pipeline stages), each block weighted by 1 / (number of ranks holding it), and
 summed by one all-reduce over the world. ``check_refusals``: a mesh that does not fit the
-world, torch-ddp with --tp, --pp-schedule without --pp, and a zero-bubble schedule with fsdp
-are one clear error each. The zero-bubble schedules (B and W split) are checked with ddp over
-dp (pp 2 x dp 2) and with TP (pp 2 x tp 2, ZB-H1 with sequence parallelism, ZB-V).
+world, torch-ddp with --tp, and --pp-schedule without --pp are one clear error each. The
+zero-bubble schedules (B and W split) are checked with ddp (ZB-H1) and fsdp (ZB-H1, ZB-V, one
+reduce-scatter per unit and step) over dp (pp 2 x dp 2), and with TP (pp 2 x tp 2, ZB-H1 with
+sequence parallelism, ZB-V).
 """
 
 import copy
@@ -102,7 +103,8 @@ def parity(pp, tp, dp, mode="fsdp", schedule="1f1b", n_layer=2, inf_norm=False,
             close(loss / (tp * cp), ref_loss.detach(), f"step {step} loss")
             compare(par, ref, f"step {step} grad", grads=True)
             if count_syncs:  # one reduce-scatter per unit and step, not per microbatch
-                units = sum(1 for m in par.modules.modules() if hasattr(m, "_fsdp_unit"))
+                units = sum(1 for m in par.modules.modules()  # (a unit without its own
+                            if hasattr(m, "_fsdp_unit") and m._fsdp_unit.params)  # params: none)
                 assert len(syncs) == units, f"{len(syncs)} reduce-scatters for {units} units"
             if inf_norm:  # max_norm inf: nothing scaled
                 total = clip_grad_norm_(list(par.modules.parameters()), math.inf, math.inf,
@@ -160,10 +162,6 @@ def check_refusals(ctx):
             assert fragment in str(e), f"{fragment!r} not in {e}"
         else:
             raise AssertionError(f"{flags}: no error")
-    args = train.parse_args([])
-    vars(args).update(pp=2, dp=2, pp_schedule="zbh1", dp_mode="fsdp")  # in a world of 4
-    problem = lm.layout_problem(args, 4, n_layer=2, n_head=2)
-    assert problem and "with --dp use --dp-mode ddp, or --pp-schedule 1f1b" in problem, problem
 
 
 # 4 ranks
@@ -189,6 +187,14 @@ def check_pp2_dp2_ddp_zbh1(ctx):  # W's accumulate in no_sync; ddp reduces after
     parity(pp=2, tp=1, dp=2, mode="ddp", schedule="zbh1")
 
 
+def check_pp2_dp2_fsdp_zbh1(ctx):  # B keeps the unsharded parameters; the last W syncs
+    parity(pp=2, tp=1, dp=2, mode="fsdp", schedule="zbh1", count_syncs=True)
+
+
+def check_pp2_dp2_fsdp_zbv(ctx):  # two FSDP roots per rank, each synced after its last W
+    parity(pp=2, tp=1, dp=2, mode="fsdp", schedule="zbv", n_layer=4, count_syncs=True)
+
+
 def check_pp2_tp2_zbh1_sp(ctx):  # B and W through TP's collectives (sequence parallel)
     parity(pp=2, tp=2, dp=1, schedule="zbh1", sp=True)
 
@@ -199,7 +205,8 @@ def check_pp2_tp2_zbv(ctx):  # two TP stages per rank in a V
 
 checks_2 = [check_pp2, check_tp2, check_dp2_fsdp, check_dp2_ddp, check_refusals]
 checks_4 = [check_pp2_tp2, check_pp2_dp2_fsdp, check_pp2_dp2_fsdp_interleaved,
-            check_tp2_dp2_fsdp, check_pp2_dp2_ddp_zbh1, check_pp2_tp2_zbh1_sp, check_pp2_tp2_zbv]
+            check_tp2_dp2_fsdp, check_pp2_dp2_ddp_zbh1, check_pp2_dp2_fsdp_zbh1,
+            check_pp2_dp2_fsdp_zbv, check_pp2_tp2_zbh1_sp, check_pp2_tp2_zbv]
 
 if __name__ == "__main__":
     run_checks(checks_2 if sys.argv[1] == "2" else checks_4)
