@@ -25,7 +25,9 @@ SCRIPTS = Path(__file__).parent / "e2e_scripts"
 
 @pytest.mark.timeout(120)
 def test_a_finished_gloo_script_exits_zero_every_time(launch):
-    for attempt in range(6):  # unguarded, 6 clean launches in a row happen about 1 time in 20
+    # unguarded, 4 clean launches in a row happen about 1 time in 8 (and the suite's other gloo
+    # launches, a few hundred, would show the abort as failures)
+    for attempt in range(4):
         result = launch.run(["--nproc-per-node", "2", str(SCRIPTS / "gloo_then_exit.py")],
                             timeout=60)  # fmt: skip
         assert result.returncode == 0, f"launch {attempt}:\n{result.stderr}"

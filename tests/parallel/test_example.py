@@ -110,14 +110,12 @@ def test_bad_layout_is_one_line_and_exit_2():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("before", "after"), [
-    (("--tp", "2"), ("--pp", "2")),
-    (("--dp-mode", "fsdp"), ("--tp", "2", "--dp-mode", "fsdp")),
-])
+@pytest.mark.parametrize(("before", "after"), [(("--tp", "2"), ("--pp", "2"))])
 def test_resume_at_another_layout_equals_never_resharding(tmp_path, before, after):
     """Train to step 12 at one layout (periodic saves in the background), fail, resume from
     step 10 at another: the loss at step 20 is that of a run at the first layout that never
-    saved (the global batch is the first layout's: the example keeps it across a resize)."""
+    saved (the global batch is the first layout's: the example keeps it across a resize).
+    Other pairs of layouts, FSDP's among them, are drawn by tests/parallel/test_layout_roundtrip.py."""
     never = launch(EXAMPLE, 2, (*ARGS, *before), timeout=120).output
     first = launch(EXAMPLE, 2, (*ARGS, *before, "--checkpoint-dir", str(tmp_path),
                                 "--checkpoint-every", "5", "--fail-at-step", "12"),
