@@ -152,6 +152,8 @@ def parse_args(argv=None):
                    "(meshrun.parallel.elastic: the survivors stay, change world and retry the "
                    "step; --dp-mode ddp only, no --checkpoint-dir yet)")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
+    p.add_argument("--sleep-per-step", type=float, default=0.0, help="testing: seconds to "
+                   "sleep after each step, so that a fault or a joining node lands mid-run")
     args = p.parse_args(argv)
     if args.parallel == "tp":
         args.tp = int(os.environ.get("WORLD_SIZE", 1))
@@ -352,6 +354,8 @@ def main(argv=None):
             if master:
                 print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "
                       f"lr {lr:.2e} | {ms:.0f} ms/step", flush=True)
+        if args.sleep_per_step:
+            time.sleep(args.sleep_per_step)
         if stop is None:
             continue
         signum = stop.agreed()
@@ -379,10 +383,8 @@ def train_in_place(args, model, data, device):
     so a step either completed or left the state as it was."""
     from meshrun.parallel import elastic
 
-    world = {}
-
     def build():  # the mesh and ddp for the current world, on the live model
-        world["par"] = parallelize_lm(model, args)
+        return parallelize_lm(model, args)
 
     optimizer = make_optimizer(args, model.parameters())  # ddp keeps the same parameters
     global_batch = args.global_batch_size or args.batch_size * int(os.environ["WORLD_SIZE"])
@@ -392,7 +394,7 @@ def train_in_place(args, model, data, device):
     t0, first = time.perf_counter(), None
     for attempt in elastic.steps(state, args.steps, build=build):
         with attempt:
-            par, step, global_batch = world["par"], attempt.step, state["global_batch"]
+            par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
             first = step if first is None else first
             n_micro = check_batch(args, global_batch, par.dp_size)
             lr = args.lr * min(1.0, (step + 1) / warmup)
@@ -416,6 +418,16 @@ def train_in_place(args, model, data, device):
                 print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "
                       f"lr {lr:.2e} | world {dist.get_world_size()} | {ms:.0f} ms/step",
                       flush=True)
+            if args.sleep_per_step:
+                time.sleep(args.sleep_per_step)
+    # replicas must be equal bit for bit, whoever joined or stayed on the way: all-gather them
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, flat)
+    if master_now():
+        same = all(torch.equal(c, flat) for c in copies)
+        print(f"parameters identical on all {len(copies)} ranks: {'yes' if same else 'NO'}",
+              flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -444,9 +444,10 @@ class Agent:
         self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore,
         info: RendezvousInfo, reason: str,
     ) -> RendezvousInfo | None:
-        """A node was lost and every local worker opted in to in-place recovery
-        (`meshrun.in_place`): join the next round while they run, hand each its new
-        environment, and wait up to ``MESHRUN_IN_PLACE_TIMEOUT`` seconds (default
+        """The membership changed (a node lost, nodes waiting to join) and every local worker
+        opted in to in-place recovery (`meshrun.in_place`): join the next round while they
+        run, hand each its new environment (a worker whose peers are alive takes it at its
+        next step; the joiners' fresh workers get the state from it by broadcast), and wait up to ``MESHRUN_IN_PLACE_TIMEOUT`` seconds (default
         `IN_PLACE_TIMEOUT_S`) for every one to confirm. Returns the new round, or None when
         the workers cannot take it in place (another reason, a worker that did not opt in or
         has exited): then the caller restarts the group as usual. A worker that does not
@@ -456,7 +457,7 @@ class Agent:
         Raises:
             _Stopped: a handled signal; JobFinished, JobFailed: the job ended meanwhile.
         """
-        if self._group is None or info.num_nodes == 1 or _LOST_NODE.search(reason) is None:
+        if self._group is None or _MEMBERSHIP_CHANGE.search(reason) is None:
             return None
         running = self._group.running()
         if len(running) != len(self._group.specs) or not all(
@@ -1017,8 +1018,9 @@ _PEER_LOST = re.compile(
 )
 
 
-# A restart reason that in-place recovery can take: a node lost (not a failure, not a join).
-_LOST_NODE = re.compile(r"^node \S+ lost$")
+# The restart reasons that in-place recovery takes: a membership change (a node lost, nodes
+# waiting to join), never a failure or a hang.
+_MEMBERSHIP_CHANGE = re.compile(r"^(?:node \S+ lost|\d+ node\(s\) waiting to join)$")
 #: Seconds a worker that opted in to in-place recovery has to confirm a new round
 #: (``MESHRUN_IN_PLACE_TIMEOUT`` in the agent's environment overrides it).
 IN_PLACE_TIMEOUT_S = 10.0

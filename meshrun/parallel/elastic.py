@@ -26,11 +26,18 @@ rank (all its collectives returned) or left that rank's state untouched. Ranks m
 differ by one step (a rank's last all-reduce can return while a peer's fails): step 3's
 agreement settles that.
 
-The agent hands a new world only when a node was lost and every worker of the node opted in
-(`steps()` opts in when it starts); otherwise, and when this rank does not confirm in time,
-the agent stops and restarts the workers as without in-place recovery. A worker restarted
-so (or started fresh) runs ``build()`` and the agreement too, so it gets the state of the
-ranks that stayed. Exceptions that are not a vanished peer propagate as usual.
+When nodes join, no collective fails: `steps()` looks for the agent's offer (one small file
+read) before each step and changes world there, at a step boundary; its teardown makes any
+peer blocked on it fail and follow. The joiners' fresh workers run ``build()`` and the
+agreement like the others and so receive the state from the ranks that stayed, by broadcast,
+not from the disk.
+
+The agent hands a new world only on a membership change (a node lost, nodes joining) and
+when every worker of its node opted in (`steps()` opts in when it starts); otherwise, and
+when this rank does not confirm in time, the agent stops and restarts the workers as
+without in-place recovery. A worker restarted so runs ``build()`` and the agreement too, so
+it gets the state of the ranks that stayed. Exceptions that are not a vanished peer
+propagate as usual.
 
 The pattern of a loop that yields attempts to be used as ``with`` blocks is tenacity's
 (``for attempt in Retrying(): with attempt: ...``); the agreement after a change of world is
@@ -40,10 +47,12 @@ agent's rendezvous is the quorum.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, MutableMapping
 
 import torch
@@ -80,12 +89,15 @@ class Attempt:
 
     Attributes:
         step: the index of the step this attempt trains (0-based: ``state["step"]`` before it).
-        world: how many times this process changed world in place so far.
+        world: what ``build()`` returned for the current world (the mesh, the parallelized
+            model); take it from here on every attempt, it changes with the world.
+        changes: how many times this process changed world in place so far.
     """
 
-    def __init__(self, step: int, world: int):
+    def __init__(self, step: int, world: object, changes: int):
         self.step = step
         self.world = world
+        self.changes = changes
         self.entered = False
         self.done = False
         self.error: BaseException | None = None
@@ -112,7 +124,9 @@ def steps(
 
     Call it after ``meshrun.parallel.init()``. ``build()`` is called first, and again after
     each change of world, on the live modules; make it create the mesh and apply the
-    strategies (``ddp`` over the mesh's data-parallel group) as at the start. ``state`` holds
+    strategies (``ddp`` over the mesh's data-parallel group) as at the start, and return what
+    the step needs of them (`Attempt.world`). Keep no process group of your own across steps:
+    the old world's connections close only when nothing holds its groups. ``state`` holds
     what the ranks must agree on: ``nn.Module`` values (parameters and buffers),
     ``torch.optim.Optimizer`` values (their ``state_dict``) and picklable values (a data
     position); `steps` keeps ``state["step"]``, the number of steps done, itself.
@@ -136,7 +150,10 @@ def steps(
     in_place.opt_in()
     loop.enter_world()
     while state["step"] < total:
-        attempt = Attempt(state["step"], loop.changes)
+        if in_place.offer_after(loop.round) is not None:  # a node joins: no collective failed
+            loop.change_world(None)
+            continue
+        attempt = Attempt(state["step"], loop.built, loop.changes)
         rng = torch.get_rng_state()
         yield attempt
         if attempt.done:
@@ -156,12 +173,13 @@ class _Loop:
         self.state, self.build, self.wait_timeout = state, build, wait_timeout
         self.round = int(os.environ.get("MESHRUN_ROUND", 0))
         self.changes = 0
+        self.built: object = None
 
     def enter_world(self) -> None:
         """``build()`` and agree on the state; a peer vanishing meanwhile changes world."""
         while True:
             try:
-                self.build()
+                self.built = self.build()
                 _agree(self.state)
                 return
             except RuntimeError as e:
@@ -169,10 +187,12 @@ class _Loop:
                     raise
                 self.change_world(e)
 
-    def change_world(self, error: BaseException) -> None:
-        """Leave the broken world, take the agent's next round, and enter it."""
+    def change_world(self, error: BaseException | None) -> None:
+        """Leave the world (broken by ``error``, or None: the agent offered a new one at a
+        step boundary, a node joins), take the agent's next round, and enter it."""
         t0 = time.monotonic()
-        _teardown(self.state)
+        self.built = None  # what build() returned holds the old world's groups
+        _teardown(self.state, error)
         offer = self._wait_for_offer(error)
         os.environ.update({k: str(v) for k, v in offer["env"].items()})
         self.round = offer["round"]
@@ -181,40 +201,58 @@ class _Loop:
 
         ctx = rejoin()
         self.changes += 1
-        print(f"meshrun.parallel.elastic: a peer vanished ({_first_line(error)}); rank "
-              f"{ctx.rank} of world size {ctx.world_size} in round {self.round}, in place "
+        why = (f"a peer vanished ({_first_line(error)})" if error is not None
+               else "the agent handed a new world")
+        print(f"meshrun.parallel.elastic: {why}; rank {ctx.rank} of world size "
+              f"{ctx.world_size} in round {self.round}, in place "
               f"({time.monotonic() - t0:.2f} s)", file=sys.stderr, flush=True)
         self.enter_world()
 
-    def _wait_for_offer(self, error: BaseException) -> dict:
+    def _wait_for_offer(self, error: BaseException | None) -> dict:
         deadline = time.monotonic() + self.wait_timeout
         while True:
             offer = in_place.offer_after(self.round)
             if offer is not None:
                 return offer
             if in_place.channel() is None or time.monotonic() >= deadline:
+                if error is None:
+                    raise RuntimeError("meshrun.parallel.elastic: the agent's offer of a new "
+                                       "world went away")
                 raise error
             time.sleep(0.02)
 
 
-def _teardown(state: MutableMapping) -> None:
-    """Abort and destroy every process group (a peer blocked on this rank fails at once),
-    and undo ``ddp`` on the modules in ``state`` (its hooks hold the old group)."""
-    from meshrun.parallel.ddp import unwrap
+def _teardown(state: MutableMapping, error: BaseException | None = None) -> None:
+    """Leave the world so that its connections close now: a peer blocked on this rank then
+    fails at once (and changes world too) instead of waiting for the collective timeout.
 
+    gloo closes a pair's socket only when its group object is freed (``abort`` and
+    ``shutdown`` do not, in torch 2.13), so every reference to the groups goes: ``ddp`` is
+    undone on the modules in ``state``, every `Mesh` is released, the frames of ``error``'s
+    traceback (which hold the failed collective's locals) are cleared, and the groups are
+    aborted (NCCL: frees the communicators) and destroyed. A group the script keeps
+    elsewhere (a comm hook's state, a group of its own) stays open: then a peer blocked on
+    this rank waits for its collective timeout."""
+    from meshrun.parallel.ddp import unwrap
+    from meshrun.parallel.mesh import release_all
+
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
     for value in state.values():
         if isinstance(value, nn.Module):
             for module in value.modules():
                 unwrap(module)
-    if not dist.is_initialized():
-        return
-    groups = list(dist.distributed_c10d._world.pg_map)  # every group of this process
-    for group in groups:
-        try:
-            group.abort()
-        except (RuntimeError, NotImplementedError, AttributeError):
-            pass  # a backend without abort: destroy closes its connections below
-    dist.destroy_process_group()
+    release_all()
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):  # every group of this process
+            try:
+                group.abort()
+            except (RuntimeError, NotImplementedError, AttributeError):
+                pass  # destroy and the collection below close its connections
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _agree(state: MutableMapping) -> None:

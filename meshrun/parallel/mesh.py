@@ -13,6 +13,7 @@ the same order there); ``mesh.device_mesh`` exposes it for DTensor-based code.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -62,6 +63,20 @@ class Mesh:
         self._flat: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self.device_mesh: DeviceMesh = init_device_mesh(
             device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        _live.add(self)
+
+    def release(self) -> None:
+        """Let go of this mesh's process groups (after ``destroy_process_group``), so that
+        their connections close even where the mesh itself is still referenced; the mesh
+        cannot be used afterwards. `meshrun.parallel.elastic` releases every mesh when the
+        world changes in place: a peer blocked on a connection of this rank then fails at
+        once instead of waiting for the collective timeout (gloo closes a pair's socket only
+        when its group object is freed)."""
+        self._flat.clear()
+        registry = getattr(self.device_mesh, "_pg_registry", None)  # where DeviceMesh keeps them
+        if isinstance(registry, dict):
+            registry.clear()
+        self.device_mesh = None
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -111,3 +126,13 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({self.shape})"
+
+
+_live: weakref.WeakSet[Mesh] = weakref.WeakSet()  # every mesh of this process, for release_all
+
+
+def release_all() -> None:
+    """`Mesh.release` every mesh this process made (the world is being left)."""
+    for mesh in list(_live):
+        mesh.release()
+    _live.clear()

@@ -5,11 +5,13 @@ Two `meshrun` agents on 127.0.0.1, c10d (the first hosts the store and survives)
 survivor runs two workers, the other node one. Once the three ranks train, the other node dies
 whole (SIGKILL of its agent and its worker at once). Under ``examples/train_char_lm.py
 --elastic in-place`` the survivor's agent joins the next round without stopping its workers
-(`meshrun.in_place`), they change world (`meshrun.parallel.elastic`) and retry the step: no
-worker is started again (the events file lists the same two worker pids), and every step's
-loss equals that of one process training on the whole global batch (the reference), none
-lost and none repeated. A worker that opted in but never confirms is stopped and started
-again in the new round (the fallback).
+(`meshrun.in_place`), they change world (`meshrun.parallel.elastic`) and retry the step. A few
+steps later a third node joins: the survivors change world again at a step boundary and the
+joiner's fresh worker receives the state from them by broadcast. No survivor's worker is ever
+started again (the events file lists the same two worker pids), every step's loss equals that
+of one process training on the whole global batch (the reference), none lost and none
+repeated, and at the end the three replicas' parameters are equal bit for bit. A worker that
+opted in but never confirms is stopped and started again in the new round (the fallback).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from support import free_port
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 IGNORER = Path(__file__).resolve().parent / "scripts" / "in_place_ignorer.py"
-STEPS, KILL_AFTER = 14, 5
+STEPS, KILL_AFTER, JOIN_AFTER = 24, 4, 6
 TRAIN = ("--steps", str(STEPS), "--batch-size", "4", "--global-batch-size", "12",
          "--log-every", "1")
 STEP_LINE = re.compile(r"step (\d+) \| loss ([0-9.]+)")
@@ -107,6 +109,7 @@ def _two_nodes(tmp: Path, script: list[str], survivor_nproc: int, **env: str):
     first = Node(tmp, "first", port, survivor_nproc, True, script, **env)
     _wait(lambda: _accepts(port), "the c10d store", 60, [first])
     second = Node(tmp, "second", port, 1, False, script, **env)
+    first.port = port
     return first, second
 
 
@@ -134,32 +137,42 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path):
     expected = {s: v[0] for s, v in _losses(reference.stdout).items()}
     assert sorted(expected) == list(range(1, STEPS + 1))
 
-    first, second = _two_nodes(tmp_path, [str(EXAMPLE), "--elastic", "in-place", *TRAIN], 2)
+    # a pause per step: the joiner's agent (seconds to start) must come before the last step
+    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25"]
+    first, second = _two_nodes(tmp_path, script, 2)
     nodes = [first, second]
     try:
         _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
                                 first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
         before = _worker_pids(first)
         second.kill()
+        _wait(lambda: re.search(rf"step {JOIN_AFTER} \| loss [0-9.]+ .*\| world 2",
+                                first.text()), f"step {JOIN_AFTER} at world 2", 60, nodes)
+        third = Node(tmp_path, "third", first.port, 1, False, script)
+        nodes.append(third)
         assert first.proc.wait(90) == 0, first.text()
+        assert third.proc.wait(30) == 0, third.text()
     finally:
         for n in nodes:
             if n.proc.poll() is None:
                 n.kill()
 
     text = first.text()
-    assert "every worker confirmed in place" in text, text
-    assert "restarting the worker group: node" not in text, text  # not the restart path
+    assert text.count("every worker confirmed in place") == 2, text
+    assert "restarting the worker group" not in text.split("world size 3")[1], text
     after = _worker_pids(first)
-    assert after == before, (before, after)  # no worker started after the kill
+    assert after == before, (before, after)  # no worker started after the kill or the join
     rounds = [e for e in first.events() if e["kind"] == "round_start"]
-    assert rounds[-1].get("in_place") is True and rounds[-1]["world_size"] == 2, rounds
+    assert [(r["world_size"], r.get("in_place", False)) for r in rounds[-2:]] == [
+        (2, True), (3, True)], rounds
     got = _losses(text)
     assert sorted(got) == list(range(1, STEPS + 1)), f"steps lost or repeated: {got}"
     assert all(len(v) == 1 for v in got.values()), f"a step printed twice: {got}"
-    assert "world 2" in text.split(f"step {STEPS} |")[1].split("\n")[0], text
+    worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
+    assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
     for step, value in expected.items():
         assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
+    assert "parameters identical on all 3 ranks: yes" in text, text
 
 
 @pytest.mark.timeout(90)
