@@ -166,10 +166,6 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
     if pp == 1 and args.pp_schedule != "1f1b":
         return (f"--pp-schedule {args.pp_schedule} schedules a pipeline, but there is none "
                 f"(--pp 1): add --pp N (N > 1 pipeline ranks), or drop --pp-schedule")
-    zero_bubble = pp > 1 and args.pp_schedule in ("zbh1", "zbv")
-    if zero_bubble and cp > 1:
-        return (f"--pp-schedule {args.pp_schedule} with --cp is not tested yet; with --cp use "
-                f"--pp-schedule 1f1b or interleaved1f1b")
     if pp > 1 and stages > n_layer:
         how = f"{pp} pipeline ranks x 2 stages ({args.pp_schedule})" if stages > pp else \
             f"{pp} pipeline ranks"

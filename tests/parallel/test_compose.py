@@ -1,8 +1,8 @@
 """N-D composition on one mesh: examples/train_char_lm.py's `parallelize_lm` trains exactly
 the unsplit model, for (pp, tp, dp) = (2,1,1), (1,2,1), (1,1,2) fsdp and ddp on 2 ranks, and
 (2,2,1), (2,1,2) fsdp (also interleaved), (1,2,2) fsdp on 4 ranks, and the zero-bubble
-schedules: (2,1,2) ddp with ZB-H1 and fsdp with ZB-H1 and ZB-V, (2,2,1) with ZB-H1
-(sequence parallel) and ZB-V; the global gradient clip
+schedules: (2,1,2) ddp with ZB-H1 and fsdp with ZB-H1 and ZB-V, pp 2 x cp 2 with ZB-H1
+(ring + ddp, Ulysses + fsdp), (2,2,1) with ZB-H1 (sequence parallel) and ZB-V; the global gradient clip
 (`clip_grad_norm_(..., mesh=)`) returns the unsplit model's norm (2 and inf); FSDP under
 pipeline microbatching reduce-scatters once per step; a mesh that does not fit the world is
 refused in one line.
@@ -17,7 +17,8 @@ from harness import launch
 CHECKS_2 = ["check_pp2", "check_tp2", "check_dp2_fsdp", "check_dp2_ddp", "check_refusals"]
 CHECKS_4 = ["check_pp2_tp2", "check_pp2_dp2_fsdp", "check_pp2_dp2_fsdp_interleaved",
             "check_tp2_dp2_fsdp", "check_pp2_dp2_ddp_zbh1", "check_pp2_dp2_fsdp_zbh1",
-            "check_pp2_dp2_fsdp_zbv", "check_pp2_tp2_zbh1_sp", "check_pp2_tp2_zbv"]
+            "check_pp2_dp2_fsdp_zbv", "check_pp2_cp2_zbh1", "check_pp2_tp2_zbh1_sp",
+            "check_pp2_tp2_zbv"]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ FSDP rows, pipeline stages), each block weighted by 1 / (number of ranks holding
 summed by one all-reduce over the world. ``check_refusals``: a mesh that does not fit the
 world, torch-ddp with --tp, and --pp-schedule without --pp are one clear error each. The
 zero-bubble schedules (B and W split) are checked with ddp (ZB-H1) and fsdp (ZB-H1, ZB-V, one
-reduce-scatter per unit and step) over dp (pp 2 x dp 2), and with TP (pp 2 x tp 2, ZB-H1 with
+reduce-scatter per unit and step) over dp (pp 2 x dp 2), with context parallelism (pp 2 x cp
+2, ZB-H1: ring attention with ddp, Ulysses with fsdp) and with TP (pp 2 x tp 2, ZB-H1 with
 sequence parallelism, ZB-V).
 """
 
@@ -195,6 +196,11 @@ def check_pp2_dp2_fsdp_zbv(ctx):  # two FSDP roots per rank, each synced after i
     parity(pp=2, tp=1, dp=2, mode="fsdp", schedule="zbv", n_layer=4, count_syncs=True)
 
 
+def check_pp2_cp2_zbh1(ctx):  # W's under ring (ddp) and Ulysses (fsdp) attention
+    parity(pp=2, tp=1, dp=1, mode="ddp", cp=2, cp_mode="ring", schedule="zbh1")
+    parity(pp=2, tp=1, dp=1, mode="fsdp", cp=2, cp_mode="ulysses", schedule="zbh1")
+
+
 def check_pp2_tp2_zbh1_sp(ctx):  # B and W through TP's collectives (sequence parallel)
     parity(pp=2, tp=2, dp=1, schedule="zbh1", sp=True)
 
@@ -206,7 +212,8 @@ def check_pp2_tp2_zbv(ctx):  # two TP stages per rank in a V
 checks_2 = [check_pp2, check_tp2, check_dp2_fsdp, check_dp2_ddp, check_refusals]
 checks_4 = [check_pp2_tp2, check_pp2_dp2_fsdp, check_pp2_dp2_fsdp_interleaved,
             check_tp2_dp2_fsdp, check_pp2_dp2_ddp_zbh1, check_pp2_dp2_fsdp_zbh1,
-            check_pp2_dp2_fsdp_zbv, check_pp2_tp2_zbh1_sp, check_pp2_tp2_zbv]
+            check_pp2_dp2_fsdp_zbv, check_pp2_cp2_zbh1, check_pp2_tp2_zbh1_sp,
+            check_pp2_tp2_zbv]
 
 if __name__ == "__main__":
     run_checks(checks_2 if sys.argv[1] == "2" else checks_4)
