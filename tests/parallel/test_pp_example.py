@@ -7,6 +7,10 @@ step; SGD with momentum and no clipping, so a wrong gradient scale (say, not div
 number of microbatches) shows. Activation checkpointing inside the stages changes nothing.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 from harness import REPO, launch, run_one_process, training_log
 
@@ -37,3 +41,17 @@ def test_pipeline_matches_unsplit_run(unsplit, flags):
     for step, (loss, norm) in logged(output).items():
         assert loss == pytest.approx(unsplit[step][0], abs=1e-4), (step, output)
         assert norm == pytest.approx(unsplit[step][1], rel=1e-3), (step, output)
+
+
+@pytest.mark.timeout(60)
+def test_pp_schedule_without_pp_is_one_line_and_exit_2():
+    """--pp-schedule zbh1 with no pipeline was silently ignored (a 1-process run trained
+    without it); now one error line naming the fix, exit 2, no traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--pp-schedule", "zbh1", "--steps", "1"],
+                         env={**env, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True,
+                         text=True, timeout=50)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip() == ("train_char_lm.py: error: --pp-schedule zbh1 schedules a "
+                                  "pipeline, but there is none (--pp 1): add --pp N (N > 1 "
+                                  "pipeline ranks), or drop --pp-schedule"), run.stderr
