@@ -163,7 +163,8 @@ def steps(
             raise RuntimeError("meshrun.parallel.elastic.steps: use each attempt as "
                                "`with attempt:` around the step's body")
         torch.set_rng_state(rng)  # the step is tried again from its own start
-        loop.change_world(attempt.error)
+        error, attempt = attempt.error, None  # the attempt's world is the old one's
+        loop.change_world(error)
 
 
 class _Loop:
