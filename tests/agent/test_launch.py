@@ -41,6 +41,9 @@ CONTRACT = {
     "MESHRUN_PROGRESS_FILE",
     "MESHRUN_STACK_FILE",
     "MESHRUN_STACK_SIGNAL",
+    # the in-place recovery channel (meshrun.in_place): the rank's log directory, where a
+    # worker running meshrun.parallel.elastic opts in and takes a new round's environment
+    "MESHRUN_IN_PLACE_DIR",
     # torch's flight recorder, for the collective record (meshrun.agent.collectives); the
     # record's own MESHRUN_COLLECTIVE_RECORD is taken out of the environment at start-up
     "TORCH_FR_BUFFER_SIZE",
