@@ -31,16 +31,18 @@ every parameter, gradient and optimizer state (sharded over 2, replicated over 2
 char-LM batches are cut for 2 ranks). Four ranks share the machine's cores, so the times
 compare the libraries, not a cluster.
 
-``--compile``: instead, eager vs compiled, meshrun ``fully_shard`` beside torch FSDP2's, 2
-ranks, both sharding each block then the root, and compiled the same way: after sharding,
+``--compile``: instead, eager vs compiled, meshrun ``fully_shard`` beside torch FSDP2's on 2
+ranks, each sharding every block then the root, and compiled the same way: after sharding,
 each block's ``forward`` becomes ``torch.compile(block.forward, fullgraph=True)`` (inductor,
 the default backend; the units' gather/reduce-scatter hooks run eagerly around the graph:
-torchtitan's per-block compile). The first steps compile (a cold inductor compile takes
-seconds per graph), so ``--warmup`` must cover them: the table gives step 0's time (the
-compile) apart, CPU ms/step (``time.process_time()`` of rank 0's process, every thread:
-the work done, which a loaded machine's waiting for a core does not inflate as it does the
-wall time), and graphs / graph breaks (``torch._dynamo.utils.counters``, rank 0). The
-target: compiled meshrun <= 1.1x compiled FSDP2. The MLP only by default.
+torchtitan's per-block compile). The four modes live in one process pair and take one step
+each in turn (the order rotating), so a loaded machine slows them alike; ``--rounds`` fresh
+pairs. ``--warmup`` must cover the compile (a cold inductor compile takes seconds per graph;
+"step 0 s" shows it; with a cold cache the first compiled mode to run pays it). "CPU ms/step"
+is ``time.process_time()`` of rank 0's process (every thread): the work done, which waiting
+for a core on a loaded machine does not inflate as it does the wall time. Graphs and graph
+breaks: ``torch._dynamo.utils.counters``, rank 0, per mode. The target: compiled meshrun
+<= 1.1x compiled FSDP2. The MLP only by default.
 
 gloo has no native reduce-scatter: it emulates it (a reduce then a scatter, or an all-reduce),
 so these CPU times measure the library's overhead and overlap, not GPU (NCCL) times.
@@ -176,25 +178,61 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, world=2):
     unit_bytes = largest_unit_bytes(model)
     model = apply_mode(model, mode)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times, cpu = [], []
+    times = []
     for step in range(warmup + steps):
         x, y = batch(step, rank)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_fn(model, x, y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    from torch._dynamo.utils import counters
-
-    report_rank(out_dir, rank, {"times": times[warmup:], "cpu": cpu[warmup:], "first": times[0],
-                                "params": n_params,
-                                "graphs": counters["stats"]["unique_graphs"],
-                                "breaks": sum(counters["graph_break"].values()),
+    report_rank(out_dir, rank, {"times": times[warmup:], "params": n_params,
                                 "state_mib": state_bytes(model, opt) / MiB,
                                 "unit_mib": unit_bytes / MiB})
     dist.destroy_process_group()
 
+
+
+def compile_worker(rank, model_name, port, steps, warmup, out_dir):
+    """``--compile``: the four `COMPILE_MODES` in one process pair, one step each in turn
+    (the order rotating every step), so the machine's load hits them alike."""
+    from torch._dynamo.utils import counters
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    runs = {}
+    for mode in COMPILE_MODES:
+        torch.manual_seed(0)
+        model, batch, loss_fn = MODELS[model_name]()
+        model = apply_mode(model, mode)
+        runs[mode] = (model, torch.optim.Adam(model.parameters(), lr=1e-4))
+    out = {m: {"times": [], "cpu": [], "first": 0.0, "graphs": 0, "breaks": 0}
+           for m in COMPILE_MODES}
+    for step in range(warmup + steps):
+        x, y = batch(step, rank)
+        k = step % len(COMPILE_MODES)
+        for mode in COMPILE_MODES[k:] + COMPILE_MODES[:k]:
+            model, opt = runs[mode]
+            graphs, breaks = counters["stats"]["unique_graphs"], sum(
+                counters["graph_break"].values())
+            t0, c0 = time.perf_counter(), time.process_time()
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, x, y).backward()
+            opt.step()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            mine = out[mode]
+            mine["graphs"] += counters["stats"]["unique_graphs"] - graphs
+            mine["breaks"] += sum(counters["graph_break"].values()) - breaks
+            if step == 0:
+                mine["first"] = wall
+            elif step >= warmup:
+                mine["times"].append(wall)
+                mine["cpu"].append(cpu)
+    report_rank(out_dir, rank, out)
+    dist.destroy_process_group()
 
 
 def run(model_name, mode, steps, warmup, world=2):
@@ -273,12 +311,13 @@ def compile_table(args, threshold):
         first = {m: [] for m in COMPILE_MODES}
         graphs = {}
         for _ in range(args.rounds):
+            rank0 = spawn_ranks(2, compile_worker, lambda port, out, name=model_name: (
+                name, port, args.steps, args.warmup, out))[0]
             for mode in COMPILE_MODES:
-                ranks = run(model_name, mode, args.steps, args.warmup)
-                times[mode] += ranks[0]["times"]
-                cpu[mode] += ranks[0]["cpu"]
-                first[mode].append(ranks[0]["first"])
-                graphs[mode] = (ranks[0]["graphs"], ranks[0]["breaks"])
+                times[mode] += rank0[mode]["times"]
+                cpu[mode] += rank0[mode]["cpu"]
+                first[mode].append(rank0[mode]["first"])
+                graphs[mode] = (rank0[mode]["graphs"], rank0[mode]["breaks"])
         ms = {m: 1000 * statistics.median(times[m]) for m in COMPILE_MODES}
         cms = {m: 1000 * statistics.median(cpu[m]) for m in COMPILE_MODES}
         for mode in COMPILE_MODES:
