@@ -11,16 +11,20 @@ Gradients are compared whole (`full_tensor` over the shard axis), then parameter
 - PowerSGD, rank 1, compressing from step 2: exact when the average gradient is of rank 1
   (every sample the same input, so each weight gradient is ``(sum of output grads) x^T``),
   error feedback included; with inputs that differ it is not exact (the check can fail);
+- PowerSGD's state through `checkpoint`: saved after step 3 and loaded into a fresh model,
+  optimizer and state, step 4 equals the uninterrupted run's (a fresh state at the same
+  iteration does not);
 - refusals: a unit that is not HSDP, and a hook state on another group than the replicas.
 """
 
 import copy
+import tempfile
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import Mesh, full_tensor, fully_shard
+from meshrun.parallel import Mesh, checkpoint, full_tensor, fully_shard
 from meshrun.parallel.comm_hooks import (
     PowerSGDState,
     allreduce_hook,
@@ -167,6 +171,50 @@ def check_powersgd_approximates_otherwise(ctx):
     assert min(errors[2:]) > 1e-3, errors  # rank 1 of a rank-16 gradient: not exact
 
 
+def check_powersgd_checkpoint(ctx):
+    mesh, rank = Mesh(SHAPE), dist.get_rank()
+
+    def build():
+        m = hsdp(model(), mesh)
+        state = PowerSGDState(mesh.group("dp_replicate"), matrix_approximation_rank=1,
+                              start_powerSGD_iter=2)
+        m.register_comm_hook(state, powerSGD_hook)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), state
+
+    def step(m, opt, i):
+        x, y = batch(i, rank)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        return grads(m)
+
+    def parts(run, hook=True):
+        m, opt, state = run
+        out = {"model": checkpoint.model_state(m), "optim": checkpoint.optimizer_state(opt, m)}
+        return {**out, "comm_hook": state} if hook else out
+
+    whole = build()
+    expected = [step(*whole[:2], i) for i in range(4)][3]  # steps 2, 3 compressed
+    first = build()
+    for i in range(3):
+        step(*first[:2], i)
+    with tempfile.TemporaryDirectory() as tmp:
+        box = [tmp]
+        dist.broadcast_object_list(box)
+        checkpoint.save(parts(first), f"{box[0]}/step_3")
+        resumed, fresh = build(), build()
+        checkpoint.load(parts(resumed), f"{box[0]}/step_3")
+        checkpoint.load(parts(fresh, hook=False), f"{box[0]}/step_3")
+        dist.barrier()
+    assert resumed[2].iter == 3 and sorted(resumed[2].error_dict) == ["0.weight", "2.weight"]
+    for name, a, b in zip(NAMES, step(*resumed[:2], 3), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, n=name: f"resumed step 3 {n}: {m}")
+    fresh[2].iter = 3  # compressing too, but without the saved error feedback and Q
+    got = step(*fresh[:2], 3)
+    assert not torch.allclose(got[0], expected[0], rtol=1e-3), "PowerSGD state did not matter"
+
+
 def check_refusals(ctx):
     mesh = Mesh(SHAPE)
     flat = fully_shard(model())
@@ -196,4 +244,4 @@ def check_refusals(ctx):
 if __name__ == "__main__":
     run_checks([check_allreduce_hook, check_fp16_compress_hook, check_bf16_compress_hook,
                 check_powersgd_exact_on_rank_one, check_powersgd_approximates_otherwise,
-                check_refusals])
+                check_powersgd_checkpoint, check_refusals])
