@@ -4,7 +4,9 @@ A hook decides how one bucket of local gradients becomes the group's average. `d
 module has ``register_comm_hook(state, hook)`` (torch's
 ``DistributedDataParallel.register_comm_hook``); without one, buckets go through
 `allreduce_hook`, and ``ddp(..., grad_compression="fp16"|"bf16")`` is a shorthand for
-`fp16_compress_hook` / `bf16_compress_hook`.
+`fp16_compress_hook` / `bf16_compress_hook`. HSDP's replica all-reduce takes the same hooks
+(`FSDPModule.register_comm_hook`, `meshrun.parallel.fsdp`): there a bucket is one unit's
+reduced shard, and the hook's group is the replica group.
 
 The hook contract (torch's, so torch's own hooks run unchanged on meshrun's buckets)::
 
@@ -119,7 +121,7 @@ def resolve(result, bucket: GradBucket) -> torch.Tensor:
     """
     if not torch.is_tensor(result):
         if not hasattr(result, "wait"):
-            raise TypeError(f"ddp comm hook: bucket {bucket.index()}: the hook returned "
+            raise TypeError(f"comm hook: bucket {bucket.index()}: the hook returned "
                             f"{type(result).__name__}; return a Tensor or a Future of one")
         if isinstance(result, torch.futures.Future):
             with blocked():
@@ -130,7 +132,7 @@ def resolve(result, bucket: GradBucket) -> torch.Tensor:
             result = result[0]
     if not torch.is_tensor(result) or result.numel() != bucket.buffer().numel():
         got = f"{result.numel()} elements" if torch.is_tensor(result) else type(result).__name__
-        raise ValueError(f"ddp comm hook: bucket {bucket.index()}: the hook's result has {got}, "
+        raise ValueError(f"comm hook: bucket {bucket.index()}: the hook's result has {got}, "
                          f"the bucket {bucket.buffer().numel()}; return the averaged bucket")
     return result
 
