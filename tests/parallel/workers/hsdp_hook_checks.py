@@ -11,6 +11,9 @@ Gradients are compared whole (`full_tensor` over the shard axis), then parameter
 - PowerSGD, rank 1, compressing from step 2: exact when the average gradient is of rank 1
   (every sample the same input, so each weight gradient is ``(sum of output grads) x^T``),
   error feedback included; with inputs that differ it is not exact (the check can fail);
+- gradient accumulation (`gradient_sync(model, False)` for the first of two microbatches):
+  the hook runs once per unit, at the synchronised backward, on the summed gradients; equal
+  to HSDP without a hook and to one process on both microbatches;
 - PowerSGD's state through `checkpoint`: saved after step 3 and loaded into a fresh model,
   optimizer and state, step 4 equals the uninterrupted run's (a fresh state at the same
   iteration does not);
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import Mesh, checkpoint, full_tensor, fully_shard
+from meshrun.parallel import Mesh, checkpoint, full_tensor, fully_shard, gradient_sync
 from meshrun.parallel.comm_hooks import (
     PowerSGDState,
     allreduce_hook,
@@ -171,6 +174,33 @@ def check_powersgd_approximates_otherwise(ctx):
     assert min(errors[2:]) > 1e-3, errors  # rank 1 of a rank-16 gradient: not exact
 
 
+def check_gradient_accumulation(ctx):
+    mesh, rank = Mesh(SHAPE), dist.get_rank()
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ref = model()
+    hooked, plain = hsdp(copy.deepcopy(ref), mesh), hsdp(copy.deepcopy(ref), mesh)
+    hooked.register_comm_hook(mesh.group("dp_replicate"), counting)
+    for m in (hooked, plain, ref):
+        for micro in range(2):
+            with gradient_sync(m, micro == 1):
+                x, y = batch(micro, None if m is ref else rank)
+                (torch.nn.functional.mse_loss(m(x), y) / 2).backward()
+            if m is hooked and micro == 0:
+                assert calls == [], f"the hook ran in an unsynchronised backward: {calls}"
+    assert calls == [0, 1, 2], calls
+    for name, a, b, c in zip(NAMES, grads(hooked), grads(plain), [p.grad for p in ref.parameters()],
+                             strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, n=name:
+                                   f"{n} vs uncompressed HSDP: {m}")
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m, n=name:
+                                   f"{n} vs one process: {m}")
+
+
 def check_powersgd_checkpoint(ctx):
     mesh, rank = Mesh(SHAPE), dist.get_rank()
 
@@ -244,4 +274,4 @@ def check_refusals(ctx):
 if __name__ == "__main__":
     run_checks([check_allreduce_hook, check_fp16_compress_hook, check_bf16_compress_hook,
                 check_powersgd_exact_on_rank_one, check_powersgd_approximates_otherwise,
-                check_powersgd_checkpoint, check_refusals])
+                check_gradient_accumulation, check_powersgd_checkpoint, check_refusals])
