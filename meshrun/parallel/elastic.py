@@ -65,11 +65,13 @@ from meshrun.parallel._comm import group_device
 __all__ = ["Attempt", "peer_lost", "steps"]
 
 #: How a collective fails when a peer process vanished (gloo, NCCL), or when a blocked
-#: peer aborted its groups (see `_teardown`); a timeout may be a peer that vanished without
-#: a closed connection (a cut cable).
+#: peer aborted its groups (see `_teardown`), and how joining a round fails when its store
+#: closed (its agent moved on: another node was lost meanwhile); a timeout may be a peer
+#: that vanished without a closed connection (a cut cable).
 PEER_LOST = re.compile(
-    r"Connection (?:closed|reset) by peer|Broken pipe|ECONNRESET|remote process exited|"
-    r"communicator was aborted|Timed out|aborted|Socket closed|EOF",
+    r"Connection (?:closed|reset) by peer|Connection was likely closed|Failed to recv|"
+    r"Broken pipe|ECONNRESET|remote process exited|communicator was aborted|Timed out|"
+    r"aborted|Socket closed|EOF",
     re.IGNORECASE,
 )
 
@@ -191,16 +193,23 @@ class _Loop:
     def change_world(self, error: BaseException | None) -> None:
         """Leave the world (broken by ``error``, or None: the agent offered a new one at a
         step boundary, a node joins), take the agent's next round, and enter it."""
-        t0 = time.monotonic()
-        self.built = None  # what build() returned holds the old world's groups
-        _teardown(self.state, error)
-        offer = self._wait_for_offer(error)
-        os.environ.update({k: str(v) for k, v in offer["env"].items()})
-        self.round = offer["round"]
-        in_place.confirm(self.round)
         from meshrun.parallel.context import rejoin
 
-        ctx = rejoin()
+        t0 = time.monotonic()
+        while True:
+            self.built = None  # what build() returned holds the old world's groups
+            _teardown(self.state, error)
+            offer = self._wait_for_offer(error)
+            os.environ.update({k: str(v) for k, v in offer["env"].items()})
+            self.round = offer["round"]
+            in_place.confirm(self.round)
+            try:
+                ctx = rejoin()
+                break
+            except RuntimeError as e:  # the round broke before it formed: another node was
+                if not peer_lost(e):  # lost meanwhile (its agent closed the round's store);
+                    raise  # the agent's next offer follows
+                error = e
         self.changes += 1
         why = (f"a peer vanished ({_first_line(error)})" if error is not None
                else "the agent handed a new world")

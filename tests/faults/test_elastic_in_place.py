@@ -53,10 +53,10 @@ class Node:
     """One agent in a session of its own; its output in ``<tmp>/<name>.out``."""
 
     def __init__(self, tmp: Path, name: str, port: int, nproc: int, is_host: bool,
-                 script: list[str], **env: str):
+                 script: list[str], nnodes: str = "1:2", **env: str):
         self.out = tmp / f"{name}.out"
         self.log_dir = tmp / f"logs_{name}"
-        cmd = [sys.executable, "-m", "meshrun", "--nnodes", "1:2", "--nproc-per-node",
+        cmd = [sys.executable, "-m", "meshrun", "--nnodes", nnodes, "--nproc-per-node",
                str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "inplace", "--rdzv-conf", f"{CONF},is_host={int(is_host)}",
                "--monitor-interval", "0.1", "--shutdown-timeout", "3", "--log-dir",
@@ -129,14 +129,29 @@ def _worker_pids(node: Node) -> dict[int, set[int]]:
     return pids
 
 
-@pytest.mark.timeout(180)
-def test_survivors_keep_their_processes_and_every_step(tmp_path):
-    reference = subprocess.run([sys.executable, str(EXAMPLE), *TRAIN], env=_env(), cwd=tmp_path,
-                               capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[int, float]:
+    """Each step's loss of one process training on the whole global batch (the reference)."""
+    reference = subprocess.run([sys.executable, str(EXAMPLE), *TRAIN], env=_env(),
+                               cwd=tmp_path_factory.mktemp("reference"), capture_output=True,
+                               text=True, timeout=120)
     assert reference.returncode == 0, reference.stderr
-    expected = {s: v[0] for s, v in _losses(reference.stdout).items()}
-    assert sorted(expected) == list(range(1, STEPS + 1))
+    losses = {s: v[0] for s, v in _losses(reference.stdout).items()}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
 
+
+def _same_curve(text: str, expected: dict[int, float]) -> None:
+    """Every step logged once, each loss the reference's (none lost, none repeated)."""
+    got = _losses(text)
+    assert sorted(got) == list(range(1, STEPS + 1)), f"steps lost or repeated: {got}"
+    assert all(len(v) == 1 for v in got.values()), f"a step printed twice: {got}"
+    for step, value in expected.items():
+        assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
+
+
+@pytest.mark.timeout(180)
+def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     # a pause per step: the joiner's agent (seconds to start) must come before the last step
     script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25"]
     first, second = _two_nodes(tmp_path, script, 2)
@@ -165,14 +180,48 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path):
     rounds = [e for e in first.events() if e["kind"] == "round_start"]
     assert [(r["world_size"], r.get("in_place", False)) for r in rounds[-2:]] == [
         (2, True), (3, True)], rounds
-    got = _losses(text)
-    assert sorted(got) == list(range(1, STEPS + 1)), f"steps lost or repeated: {got}"
-    assert all(len(v) == 1 for v in got.values()), f"a step printed twice: {got}"
+    _same_curve(text, expected)
     worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
-    for step, value in expected.items():
-        assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
     assert "parameters identical on all 3 ranks: yes" in text, text
+
+
+@pytest.mark.timeout(180)
+def test_two_losses_in_quick_succession(tmp_path, expected):
+    # three nodes of one worker; the second dies, and the third's worker stops (SIGSTOP) at
+    # once, so the survivor's worker waits in the new round's init_process_group for a rank
+    # that never comes; then the third node dies too: the survivor's agent closes that
+    # round's store as it moves on, and its worker takes the round after it
+    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.1"]
+    port = free_port()
+    first = Node(tmp_path, "first", port, 1, True, script, nnodes="1:3")
+    nodes = [first]
+    try:
+        _wait(lambda: _accepts(port), "the c10d store", 60, nodes)
+        nodes += [Node(tmp_path, name, port, 1, False, script, nnodes="1:3")
+                  for name in ("second", "third")]
+        _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
+                                first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
+        before = _worker_pids(first)
+        nodes[1].kill()
+        for worker in psutil.Process(nodes[2].proc.pid).children():
+            if str(EXAMPLE) in " ".join(worker.cmdline()):
+                worker.send_signal(signal.SIGSTOP)
+        _wait(lambda: re.search(r"world size 2, .*handed to the running workers",
+                                first.text()), "the round without the second node", 60, nodes)
+        nodes[2].kill()
+        assert first.proc.wait(90) == 0, first.text()
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+    text = first.text()
+    assert _worker_pids(first) == before, first.events()  # never restarted
+    assert "restarting the worker group" not in text.split("world size 3")[1], text
+    assert re.search(r"world size 1, .*handed to the running workers", text), text
+    assert text.count("every worker confirmed in place") == 2, text
+    assert text.count("meshrun.parallel.elastic: a peer vanished") == 1, text  # one change
+    _same_curve(text, expected)
 
 
 @pytest.mark.timeout(90)
