@@ -10,8 +10,10 @@ steps later a third node joins: the survivors change world again at a step bound
 joiner's fresh worker receives the state from them by broadcast. No survivor's worker is ever
 started again (the events file lists the same two worker pids), every step's loss equals that
 of one process training on the whole global batch (the reference), none lost and none
-repeated, and at the end the three replicas' parameters are equal bit for bit. A worker that
-opted in but never confirms is stopped and started again in the new round (the fallback).
+repeated, and at the end the three replicas' parameters are equal bit for bit. Two losses in
+quick succession (the second while the survivor joins the round without the first) cost no
+restart either. A worker that opted in but never confirms is stopped and started again in
+the new round (the fallback).
 """
 
 from __future__ import annotations
