@@ -2,7 +2,7 @@
 
 One launch of 2 ranks runs every check in workers/pp_checks.py (each reported as its own test
 here); one launch of 4 ranks runs pipeline x data parallel (workers/pp_dp.py: 1F1B,
-ZB-H1 and ZB-V under ddp); two short
+ZB-H1 and ZB-V under ddp, ZB-H1 under fully_shard applied before the schedule); two short
 launches show that a shape mismatch between stages is an error naming the stage, not a hang.
 """
 
@@ -18,7 +18,7 @@ CHECKS = ["check_gpipe", "check_1f1b", "check_1f1b_many_microbatches", "check_in
           "check_eval_shapes_differ_from_training", "check_refusals"]
 DP_CHECKS = ["check_pp_dp_parity", "check_sync_once_per_step", "check_zbh1_dp_parity",
              "check_zbh1_sync_after_last_w", "check_zbv_dp_parity",
-             "check_zbv_sync_after_last_w"]
+             "check_zbv_sync_after_last_w", "check_zbh1_fsdp_built_before_schedule"]
 
 
 @pytest.fixture(scope="module")

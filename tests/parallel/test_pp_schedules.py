@@ -516,3 +516,62 @@ def test_zbv_keeps_a_tied_embedding_on_rank_0():
     ce(ref(x), y).backward()
     for (name, p), q in zip(full.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class _FSDPStyle(nn.Linear):
+    """What fully_shard adds that the pipeline uses; records the switches' latest values."""
+
+    def set_requires_gradient_sync(self, enabled):
+        self.sync = enabled
+
+    def set_reshard_after_backward(self, enabled):
+        self.reshard = enabled
+
+
+def test_zero_bubble_data_parallel_checks_run_at_each_step():
+    """fully_shard (no no_sync) on a stage was refused as "ddp on a submodule"; ddp or
+    torch's DDP applied after the schedule was built (as the example applies dp) went
+    unchecked; torch's DDP under a pipeline trained on wrong gradients without an error."""
+    torch.manual_seed(0)
+    ScheduleZBH1(PipelineStage(_FSDPStyle(2, 2), 0, 1), 2, mse)  # was NotImplementedError
+    stage_module = nn.Sequential(nn.Linear(2, 2))
+    schedule = ScheduleZBH1(PipelineStage(stage_module, 0, 1), 2, mse)
+    stage_module[0].no_sync = lambda: None  # ddp on a submodule, after the schedule
+    with pytest.raises(NotImplementedError, match="stage 0 has ddp on a submodule"):
+        schedule.step(torch.randn(4, 2), target=torch.randn(4, 2))
+    del stage_module[0].no_sync
+    schedule.step(torch.randn(4, 2), target=torch.randn(4, 2))  # a refusal spoils nothing
+
+    class TorchDDP(torch.nn.parallel.DistributedDataParallel):  # isinstance, no group
+        def __init__(self, module):
+            nn.Module.__init__(self)
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    with pytest.raises(NotImplementedError, match="torch's DistributedDataParallel, whose "
+                                                  "no_sync\\(\\) must wrap the forward"):
+        Schedule1F1B(PipelineStage(TorchDDP(nn.Linear(2, 2)), 0, 1), 2, mse)
+
+
+def test_a_failed_zero_bubble_step_restores_the_fsdp_switches():
+    """A W that raises midway left the stage with gradient sync and reshard-after-backward
+    off (B switched them off, only the last W switches them back)."""
+    torch.manual_seed(0)
+    module = _FSDPStyle(2, 2)
+    calls = []
+
+    def fail_second(grad):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("W failed")
+        return grad
+
+    module.weight.register_hook(fail_second)
+    schedule = ScheduleZBH1(PipelineStage(module, 0, 1), 4, mse)
+    with pytest.raises(ValueError, match="W failed"):
+        schedule.step(torch.randn(8, 2), target=torch.randn(8, 2))
+    assert (module.sync, module.reshard) == (True, True)
+    with pytest.raises(RuntimeError, match="an earlier step failed midway"):
+        schedule.step(torch.randn(8, 2), target=torch.randn(8, 2))

@@ -122,7 +122,10 @@ class PipelineSchedule:
         ValueError: no stages, stages from different groups, stage counts or placements, or
             stages that differ from those the order runs on this rank.
         NotImplementedError: a "v" placement on a backend other than gloo (see `validate`,
-            rule 6), or a split backward (W actions) on a stage under ddp or fully_shard.
+            rule 6); a stage under torch's DistributedDataParallel (use meshrun's ddp); a
+            split backward (W actions) on a stage with ddp on a submodule only, or FSDP-style
+            sync without ``set_reshard_after_backward`` on the stage module (also raised by
+            `step` when data parallelism was applied after the schedule was built).
 
     Attributes:
         pipeline_order: the validated order of every rank (``dict[int, list[Action]]``).
@@ -176,20 +179,7 @@ class PipelineSchedule:
         self._eval_order = eval_order
         self._by_index = {st.stage_index: st for st in stages}
         self._split = split_stages(order)  # stages whose backward is B then W
-        for st in stages:
-            if (st.stage_index in self._split and _fsdp_style(st.submodule)
-                    and not hasattr(st.submodule, "set_reshard_after_backward")):
-                raise NotImplementedError(
-                    f"PipelineSchedule: stage {st.stage_index} switches gradient sync like "
-                    f"FSDP but has no set_reshard_after_backward, which a split backward "
-                    f"needs (the end of B must keep the unsharded parameters for W); use "
-                    f"meshrun's fully_shard or ddp, or a schedule without W actions")
-            if (st.stage_index in self._split and _data_parallel(st.submodule)
-                    and not hasattr(st.submodule, "no_sync")):
-                raise NotImplementedError(
-                    f"PipelineSchedule: stage {st.stage_index} has ddp on a submodule, not on "
-                    f"the stage module itself; a split backward synchronises a stage module's "
-                    f"ddp after its last W: apply ddp to the stage module")
+        self._check_stage_modules()
         # the fixed shapes of each channel between ranks, per mode (training step, eval):
         self._sent_meta: dict[tuple[bool, int], list] = {}  # (training, destination stage)
         self._recv_meta: dict[tuple[bool, int], list] = {}  # (training, stage of this rank)
@@ -206,6 +196,40 @@ class PipelineSchedule:
         raise AttributeError(
             f"PipelineSchedule.n_microbatches is fixed at {self._n_microbatches}: the order "
             f"was built for it; build a new schedule (pipeline(..., n_microbatches={value}))")
+
+    def _check_stage_modules(self) -> None:
+        """Data parallelism the runtime can switch per microbatch. Not torch's
+        DistributedDataParallel: its ``no_sync`` acts on the forwards run inside it, and the
+        pipeline runs microbatch forwards ahead of their backwards (pp 2 x dp 2, 1F1B and
+        ZB-H1: wrong gradients, no error). A stage whose backward is split (W actions)
+        also needs ddp on the stage module itself and fully_shard with
+        ``set_reshard_after_backward``. Checked at construction and again at each training
+        step (data parallelism is often applied to the stage modules after the schedule is
+        built, as the example does)."""
+        for st in self.stages:
+            if any(isinstance(m, torch.nn.parallel.DistributedDataParallel)
+                   for m in st.submodule.modules()):
+                raise NotImplementedError(
+                    f"PipelineSchedule: stage {st.stage_index} is under torch's "
+                    f"DistributedDataParallel, whose no_sync() must wrap the forward, but a "
+                    f"pipeline runs microbatch forwards ahead of their backwards, so "
+                    f"gradients would be synchronised wrongly; use meshrun.parallel.ddp on "
+                    f"the stage module (or fully_shard)")
+            if st.stage_index not in self._split:
+                continue
+            if _fsdp_style(st.submodule) and not hasattr(st.submodule,
+                                                         "set_reshard_after_backward"):
+                raise NotImplementedError(
+                    f"PipelineSchedule: stage {st.stage_index} switches gradient sync like "
+                    f"FSDP but has no set_reshard_after_backward on the stage module, which a "
+                    f"split backward needs (the end of B must keep the unsharded parameters "
+                    f"for W); apply meshrun's fully_shard to the stage module too (after its "
+                    f"blocks), use ddp, or a schedule without W actions")
+            if _ddp_style(st.submodule) and not hasattr(st.submodule, "no_sync"):
+                raise NotImplementedError(
+                    f"PipelineSchedule: stage {st.stage_index} has ddp on a submodule, not on "
+                    f"the stage module itself; a split backward synchronises a stage module's "
+                    f"ddp after its last W: apply ddp to the stage module")
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              **kwargs):
@@ -237,6 +261,7 @@ class PipelineSchedule:
         if self.loss_fn is None:
             raise ValueError("PipelineSchedule.step: training needs a loss_fn "
                              "(use eval() for forward only)")
+        self._check_stage_modules()
         with torch.enable_grad():
             one = _Step(self, True, args, kwargs, target, losses, return_outputs)
             return self._run(one, self.pipeline_order[self.rank])
@@ -254,11 +279,21 @@ class PipelineSchedule:
     def _run(self, one: _Step, actions: list[Action]):
         """Run a step's actions; a step that fails midway leaves messages in flight between
         the ranks (a receive posted, a send unmatched) that would pair with the next step's,
-        so the schedule refuses to run again (`_check_usable`)."""
+        so the schedule refuses to run again (`_check_usable`). The stage modules' FSDP
+        switches go back to what a finished step leaves (gradient sync on, reshard after
+        backward on): a step that failed between B and W left them off, and the modules may
+        outlive the schedule (an evaluation, a checkpoint, a plain backward)."""
         try:
             return one.run(actions)
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"[:300]
+            for st in self.stages:
+                module = st.submodule
+                if hasattr(module, "set_requires_gradient_sync"):
+                    module.set_requires_gradient_sync(True)
+                if st.stage_index in self._split and hasattr(module,
+                                                             "set_reshard_after_backward"):
+                    module.set_reshard_after_backward(True)
             raise
 
     def _check_usable(self) -> None:
@@ -620,10 +655,9 @@ def _fsdp_style(module) -> bool:
     return any(hasattr(m, "set_requires_gradient_sync") for m in module.modules())
 
 
-def _data_parallel(module) -> bool:
-    """Whether ``module`` or a submodule switches gradient sync (ddp, fully_shard, torch's)."""
-    return any(hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
-               for m in module.modules())
+def _ddp_style(module) -> bool:
+    """Whether ``module`` or a submodule switches sync like DDP (meshrun's ddp, torch's DDP)."""
+    return any(hasattr(m, "no_sync") for m in module.modules())
 
 
 def _split(value, m: int, what: str):

@@ -10,6 +10,9 @@ compared every step). Gradients must be synchronised over dp exactly once per st
   (``register_comm_hook``) that records each bucket it reduces and the W's run before it:
   each bucket of each stage module once per step, and only once all 4 W's of its stage ran
   (the reduction must wait for the last W, which produces the last weight gradients).
+- ZB-H1 under fully_shard (a unit per block, then the stage module) applied before the
+  schedule is built: the construction check took fully_shard for ddp on a submodule and
+  refused it (the example applies data parallelism after the schedule, so it never showed).
 """
 
 import copy
@@ -18,7 +21,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from meshrun.parallel import Mesh, ddp, init
+from meshrun.parallel import Mesh, ddp, fully_shard, init
 from meshrun.parallel.comm_hooks import allreduce_hook
 from meshrun.parallel.pipelining import (
     PipelineStage,
@@ -48,12 +51,17 @@ def build(mesh, name):
     mine = [pp_rank, n_stages - 1 - pp_rank] if name == "zbv" else [pp_rank]
     stages = []
     for s in mine:
-        ddp(modules[s], mesh.group("dp"))
+        if name == "zbh1_fsdp":
+            for block in modules[s].blocks.values():
+                fully_shard(block, mesh.group("dp"))
+            fully_shard(modules[s], mesh.group("dp"))
+        else:
+            ddp(modules[s], mesh.group("dp"))
         stages.append(PipelineStage(modules[s], s, n_stages, mesh.group("pp"),
                                     placement="v" if name == "zbv" else "loop"))
     if name == "1f1b":
         schedule = Schedule1F1B(stages[0], N_MICRO, mse)
-    elif name == "zbh1":
+    elif name in ("zbh1", "zbh1_fsdp"):
         schedule = ScheduleZBH1(stages[0], N_MICRO, mse)
     else:
         schedule = ScheduleZBV(stages, N_MICRO, mse)
@@ -115,6 +123,36 @@ def run(mesh, results, name):
     return "; ".join(sync) or "ok"
 
 
+def run_fsdp(mesh, name):
+    """Parity of a fully_shard pipeline: each rank's rows (torch.chunk over dp) of the
+    reference's gradients and parameters."""
+    dp_rank = mesh.rank("dp")
+    schedule, modules, full, ref = build(mesh, name)
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    mine = {id(p) for m in modules for p in m.parameters()}
+    per = GLOBAL_BATCH // 2
+    for step in range(STEPS):
+        x, y = data(step)
+        opt.zero_grad()
+        schedule.step(x[dp_rank * per:(dp_rank + 1) * per],
+                      target=y[dp_rank * per:(dp_rank + 1) * per])
+        ref_opt.zero_grad()
+        mse(ref(x), y).backward()
+        for (pname, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
+                                      strict=True):
+            if id(p) in mine:
+                close(p.grad, q.grad.chunk(2)[dp_rank], f"{name} step {step} grad {pname}")
+        opt.step()
+        ref_opt.step()
+        for (pname, p), (_, q) in zip(full.named_parameters(), ref.named_parameters(),
+                                      strict=True):
+            if id(p) in mine:
+                close(p.detach(), q.detach().chunk(2)[dp_rank],
+                      f"{name} step {step} param {pname}")
+    return "ok"
+
+
 def main():
     init(timeout=60)
     mesh = Mesh({"pp": 2, "dp": 2})
@@ -128,6 +166,10 @@ def main():
         except Exception:
             results[parity] = traceback.format_exc()
             results.setdefault(once, "not reached")
+    try:
+        results["check_zbh1_fsdp_built_before_schedule"] = run_fsdp(mesh, "zbh1_fsdp")
+    except Exception:
+        results["check_zbh1_fsdp_built_before_schedule"] = traceback.format_exc()
     report(results)
     dist.destroy_process_group()
     exit_without_teardown()
