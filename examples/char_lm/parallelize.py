@@ -141,6 +141,12 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
     if cp < 1:
         return f"--cp {cp}: the context-parallel degree must be at least 1"
     with_cp = f" x --cp {cp}" if cp > 1 else ""
+    if (pp > 1 and args.pp_schedule in ("zbh1", "zbv")
+            and getattr(args, "activation_checkpointing", "none") == "selective"):
+        return (f"--pp-schedule {args.pp_schedule} with --activation-checkpointing selective "
+                f"is not supported: a zero-bubble stage runs two backwards through each block "
+                f"(B, then W), and torch's selective checkpoint allows one; use "
+                f"--activation-checkpointing full, or --pp-schedule 1f1b")
     if args.dp is None and world_size % (pp * cp * tp):
         return (f"--pp {pp}{with_cp} x --tp {tp} = {pp * cp * tp} must divide the world size "
                 f"{world_size} (data parallelism takes the rest)")

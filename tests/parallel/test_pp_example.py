@@ -55,3 +55,18 @@ def test_pp_schedule_without_pp_is_one_line_and_exit_2():
     assert run.stderr.strip() == ("train_char_lm.py: error: --pp-schedule zbh1 schedules a "
                                   "pipeline, but there is none (--pp 1): add --pp N (N > 1 "
                                   "pipeline ranks), or drop --pp-schedule"), run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_zero_bubble_with_selective_checkpointing_is_one_line_and_exit_2():
+    """--pp 2 --pp-schedule zbh1 --activation-checkpointing selective crashed in the first W
+    (torch's selective checkpoint allows one backward per region; ZB runs B then W)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "2", "--pp-schedule", "zbv",
+                          "--activation-checkpointing", "selective", "--steps", "1"],
+                         env={**env, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True,
+                         text=True, timeout=50)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip().startswith(
+        "train_char_lm.py: error: --pp-schedule zbv with --activation-checkpointing selective "
+        "is not supported"), run.stderr
