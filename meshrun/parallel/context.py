@@ -97,7 +97,11 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         rank, local_rank, world_size = (_int_env(name) for name in RANK_VARS)
         backend = backend or ("nccl" if cuda else "gloo")
         _set_device(cuda, local_rank)
+        from meshrun.parallel._sockets import note_world_sockets, tcp_connections
+
+        before = tcp_connections()  # the world's own connections, for an in-place change
         dist.init_process_group(backend, init_method="env://", **_timeout_kwargs(timeout))
+        note_world_sockets(before)
     register_stack_dump()  # lets `meshrun --hang-timeout` show where this rank is stuck
     watch_set_epoch()  # a shuffling DistributedSampler without set_epoch: one warning
     exit_guard.install()  # (under torchrun too) registered first, so it runs last: atexit
@@ -129,7 +133,11 @@ def rejoin() -> ParallelContext:
         raise RuntimeError(f"meshrun.parallel.rejoin: incomplete environment: missing "
                            f"{', '.join(missing)}")
     rank, local_rank, world_size = (_int_env(name) for name in RANK_VARS)
+    from meshrun.parallel._sockets import note_world_sockets, tcp_connections
+
+    before = tcp_connections()
     dist.init_process_group(_context.backend, init_method="env://", **_timeout_kwargs(_timeout))
+    note_world_sockets(before)
     _context = ParallelContext(rank, local_rank, world_size, _context.device, _context.backend)
     return _context
 

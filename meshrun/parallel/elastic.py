@@ -61,6 +61,7 @@ from torch import nn
 
 from meshrun import in_place
 from meshrun.parallel._comm import group_device
+from meshrun.parallel._sockets import note_world_sockets, shut_down_world_sockets, tcp_connections
 
 __all__ = ["Attempt", "peer_lost", "steps"]
 
@@ -182,7 +183,9 @@ class _Loop:
         """``build()`` and agree on the state; a peer vanishing meanwhile changes world."""
         while True:
             try:
+                before = tcp_connections()
                 self.built = self.build()
+                note_world_sockets(before)  # the connections of the mesh's groups
                 _agree(self.state)
                 return
             except RuntimeError as e:
@@ -236,15 +239,19 @@ def _teardown(state: MutableMapping, error: BaseException | None = None) -> None
     """Leave the world so that its connections close now: a peer blocked on this rank then
     fails at once (and changes world too) instead of waiting for the collective timeout.
 
-    gloo closes a pair's socket only when its group object is freed (``abort`` and
-    ``shutdown`` do not, in torch 2.13), so every reference to the groups goes: ``ddp`` is
-    undone on the modules in ``state``, every `Mesh` is released, the frames of ``error``'s
-    traceback (which hold the failed collective's locals) are cleared, and the groups are
-    aborted (NCCL: frees the communicators) and destroyed. A group the script keeps
-    elsewhere (a comm hook's state, a group of its own) stays open: then a peer blocked on
-    this rank waits for its collective timeout."""
+    gloo closes a pair's socket only when its group is freed (``abort`` and ``shutdown`` do
+    not, in torch 2.13), and an async collective still in flight on a live peer (ddp's other
+    buckets) keeps it alive in gloo's threads until its timeout. So the world's TCP
+    connections are shut down first (``shutdown(2)``: the peer reads EOF, the work in
+    flight fails): those that appeared while this process joined the world and while
+    ``build()`` made its groups (`meshrun.parallel._sockets`). Then every reference to the
+    groups goes: ``ddp`` is undone on the modules in
+    ``state``, every `Mesh` is released, the frames of ``error``'s traceback are cleared,
+    and the groups are aborted (NCCL: frees the communicators) and destroyed."""
     from meshrun.parallel.ddp import unwrap
     from meshrun.parallel.mesh import release_all
+
+    shut_down_world_sockets()
 
     while error is not None:
         traceback.clear_frames(error.__traceback__)

@@ -32,6 +32,8 @@ import psutil
 import pytest
 from support import free_port
 
+from tests.rendezvous.etcd_fixtures import ETCD, SKIP_REASON, EtcdCluster
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 IGNORER = Path(__file__).resolve().parent / "scripts" / "in_place_ignorer.py"
@@ -54,13 +56,17 @@ def _env(**extra: str) -> dict[str, str]:
 class Node:
     """One agent in a session of its own; its output in ``<tmp>/<name>.out``."""
 
-    def __init__(self, tmp: Path, name: str, port: int, nproc: int, is_host: bool,
-                 script: list[str], nnodes: str = "1:2", **env: str):
+    def __init__(self, tmp: Path, name: str, port: int | None, nproc: int, is_host: bool,
+                 script: list[str], nnodes: str = "1:2", etcd: str = "",
+                 launcher_args: tuple[str, ...] = (), **env: str):
         self.out = tmp / f"{name}.out"
         self.log_dir = tmp / f"logs_{name}"
+        rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd, "--rdzv-conf", CONF]
+                if etcd else
+                ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--rdzv-conf", f"{CONF},is_host={int(is_host)}"])
         cmd = [sys.executable, "-m", "meshrun", "--nnodes", nnodes, "--nproc-per-node",
-               str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "inplace", "--rdzv-conf", f"{CONF},is_host={int(is_host)}",
+               str(nproc), *rdzv, "--rdzv-id", "inplace", *launcher_args,
                "--monitor-interval", "0.1", "--shutdown-timeout", "3", "--log-dir",
                str(self.log_dir), *script]
         with open(self.out, "w") as out:
@@ -108,9 +114,11 @@ def _wait(predicate, what: str, timeout: float, nodes) -> None:
 
 def _two_nodes(tmp: Path, script: list[str], survivor_nproc: int, **env: str):
     port = free_port()
-    first = Node(tmp, "first", port, survivor_nproc, True, script, **env)
+    first = Node(tmp, "first", port, survivor_nproc, True, script,
+                 launcher_args=("--node-rank", "0"), **env)
     _wait(lambda: _accepts(port), "the c10d store", 60, [first])
-    second = Node(tmp, "second", port, 1, False, script, **env)
+    second = Node(tmp, "second", port, 1, False, script, launcher_args=("--node-rank", "1"),
+                  **env)
     first.port = port
     return first, second
 
@@ -196,12 +204,14 @@ def test_two_losses_in_quick_succession(tmp_path, expected):
     # round's store as it moves on, and its worker takes the round after it
     script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.1"]
     port = free_port()
-    first = Node(tmp_path, "first", port, 1, True, script, nnodes="1:3")
+    first = Node(tmp_path, "first", port, 1, True, script, nnodes="1:3",
+                 launcher_args=("--node-rank", "0"))
     nodes = [first]
     try:
         _wait(lambda: _accepts(port), "the c10d store", 60, nodes)
-        nodes += [Node(tmp_path, name, port, 1, False, script, nnodes="1:3")
-                  for name in ("second", "third")]
+        nodes += [Node(tmp_path, name, port, 1, False, script, nnodes="1:3",
+                       launcher_args=("--node-rank", str(i)))
+                  for i, name in ((1, "second"), (2, "third"))]
         _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
                                 first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
         before = _worker_pids(first)
@@ -252,3 +262,51 @@ def test_a_worker_that_does_not_confirm_is_restarted(tmp_path):
     assert int(fresh.group(1)) not in opted  # a new process, in the round after the loss
     pids = _worker_pids(first)
     assert int(fresh.group(1)) in pids[int(fresh.group(2))], pids
+
+
+@pytest.mark.timeout(180)
+def test_node_rank_0_lost_on_etcd(tmp_path, expected):
+    # etcd has no store host: node rank 0 dies, and the survivor, node rank 1 with ranks 1-2,
+    # becomes node rank 0 with ranks 0-1 and hosts the workers' store of the next round
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    (tmp_path / "etcd").mkdir()
+    cluster = EtcdCluster(tmp_path / "etcd").start()
+    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN]
+    nodes = []
+    try:
+        first = Node(tmp_path, "first", None, 1, False, script, etcd=cluster.endpoint,
+                     launcher_args=("--node-rank", "0"))
+        second = Node(tmp_path, "second", None, 2, False, script, etcd=cluster.endpoint,
+                      launcher_args=("--node-rank", "1"))
+        nodes = [first, second]
+        _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
+                                first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
+        before = _worker_pids(second)
+        first.kill()
+        assert second.proc.wait(90) == 0, second.text()
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+        cluster.stop()
+    text = second.text()
+    assert _worker_pids(second) == before, second.events()  # never restarted
+    rounds = [e for e in second.events() if e["kind"] == "round_start"]
+    assert (rounds[0]["node_rank"], rounds[0]["rank_offset"]) == (1, 1), rounds
+    last = rounds[-1]
+    assert (last["in_place"], last["node_rank"], last["rank_offset"], last["world_size"]) == (
+        True, 0, 0, 2), rounds
+    # rank 0 logged on the first node until it died, then on the survivor. The steps in
+    # between: the first node may have logged a step that the survivors, whose last
+    # collective of it failed, trained again, or completed one and died before logging it.
+    # Either way every step the survivor logs has the reference's loss, which a step lost or
+    # trained twice would change (the state would differ from then on).
+    before_kill, after = _losses(first.text()), _losses(text)
+    assert sorted(after) == list(range(min(after), STEPS + 1)), after
+    assert all(len(v) == 1 for v in after.values()), after
+    assert max(before_kill) - 1 <= min(after) <= max(before_kill) + 2, (before_kill, after)
+    for step, value in expected.items():
+        for got in (before_kill, after):
+            if step in got:
+                assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
