@@ -154,6 +154,13 @@ def layout_problem(args, world_size, n_layer=N_LAYER, n_head=N_HEAD):
     if pp * dp * cp * tp != world_size:
         return (f"--pp {pp} x --dp {dp}{with_cp} x --tp {tp} = {pp * dp * cp * tp} ranks, but "
                 f"the world size is {world_size}: make the product equal the world size")
+    if (pp > 1 and args.pp_schedule in ("zbh1", "zbv") and args.dp_mode == "fsdp"
+            and dp * cp > 1 and getattr(args, "activation_checkpointing", "none") != "none"):
+        return (f"--pp-schedule {args.pp_schedule} with --dp-mode fsdp and "
+                f"--activation-checkpointing is not supported: the recompute in a block's W "
+                f"finds its FSDP unit resharded (fully_shard installs the gathered parameters "
+                f"for the backward that B runs, not for W's); use --dp-mode ddp, "
+                f"--pp-schedule 1f1b, or no activation checkpointing")
     if cp > 1:
         problem = cp_problem(args, n_head)
         if problem:

@@ -58,15 +58,22 @@ def test_pp_schedule_without_pp_is_one_line_and_exit_2():
 
 
 @pytest.mark.timeout(60)
-def test_zero_bubble_with_selective_checkpointing_is_one_line_and_exit_2():
-    """--pp 2 --pp-schedule zbh1 --activation-checkpointing selective crashed in the first W
-    (torch's selective checkpoint allows one backward per region; ZB runs B then W)."""
+@pytest.mark.parametrize("flags, world, message", [
+    (("--pp", "2", "--pp-schedule", "zbv", "--activation-checkpointing", "selective"), "2",
+     "--pp-schedule zbv with --activation-checkpointing selective is not supported"),
+    (("--pp", "2", "--dp", "2", "--dp-mode", "fsdp", "--pp-schedule", "zbh1",
+      "--activation-checkpointing", "full"), "4",
+     "--pp-schedule zbh1 with --dp-mode fsdp and --activation-checkpointing is not supported"),
+])
+def test_zero_bubble_with_checkpointing_it_cannot_run_is_one_line_and_exit_2(flags, world,
+                                                                             message):
+    """Both crashed in the first W: torch's selective checkpoint allows one backward per
+    region (ZB runs B, then W); under fully_shard W's recompute read the resharded (local)
+    parameters ("weight of shape [64] ... normalized_shape = [128]"). Refused at parse time
+    (the world size comes from WORLD_SIZE, so no processes are launched)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    run = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "2", "--pp-schedule", "zbv",
-                          "--activation-checkpointing", "selective", "--steps", "1"],
-                         env={**env, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True,
-                         text=True, timeout=50)
+    run = subprocess.run([sys.executable, str(EXAMPLE), *flags, "--steps", "1"],
+                         env={**env, "WORLD_SIZE": world, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                         capture_output=True, text=True, timeout=50)
     assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr.strip().startswith(
-        "train_char_lm.py: error: --pp-schedule zbv with --activation-checkpointing selective "
-        "is not supported"), run.stderr
+    assert run.stderr.strip().startswith(f"train_char_lm.py: error: {message}"), run.stderr
