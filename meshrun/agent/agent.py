@@ -447,12 +447,13 @@ class Agent:
         """The membership changed (a node lost, nodes waiting to join) and every local worker
         opted in to in-place recovery (`meshrun.in_place`): join the next round while they
         run, hand each its new environment (a worker whose peers are alive takes it at its
-        next step; the joiners' fresh workers get the state from it by broadcast), and wait up to ``MESHRUN_IN_PLACE_TIMEOUT`` seconds (default
-        `IN_PLACE_TIMEOUT_S`) for every one to confirm. Returns the new round, or None when
-        the workers cannot take it in place (another reason, a worker that did not opt in or
-        has exited): then the caller restarts the group as usual. A worker that does not
-        confirm in time (or exits meanwhile) gets the usual treatment within the new round:
-        the whole local group is stopped and started again there, with nothing spent.
+        next step; the joiners' fresh workers get the state from it by broadcast), and wait
+        up to ``MESHRUN_IN_PLACE_TIMEOUT`` seconds (default `IN_PLACE_TIMEOUT_S`) for every
+        one to confirm. Returns the new round, or None when the workers cannot take it in
+        place (another reason, a worker that did not opt in or has exited): then the caller
+        restarts the group as usual. A worker that does not confirm in time (or exits
+        meanwhile) gets the usual treatment within the new round: the whole local group is
+        stopped and started again there, with nothing spent.
 
         Raises:
             _Stopped: a handled signal; JobFinished, JobFailed: the job ended meanwhile.
@@ -492,22 +493,12 @@ class Agent:
             local_world_size=new.local_world_size, restart_count=new.restart_count,
             in_place=True,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        pending, exited = list(zip(specs, pids, strict=True)), False
-        while pending:
-            pending = [(s, p) for s, p in pending if not in_place.confirmed(s.log_dir, new.round, p)]
-            exited = self._group.wait(0) is not None
-            if not pending or exited or time.monotonic() >= deadline:
-                break
-            self._group.wait(min(self.config.monitor_interval, 0.05))
-            self._raise_if_signalled()
-        if not pending and not exited:
+        why = self._await_confirmations(new.round, list(zip(specs, pids, strict=True)), timeout)
+        if why is None:
             say(f"round {new.round}: every worker confirmed in place "
                 f"({time.monotonic() - t0:.2f} s after the restart was decided)")  # fmt: skip
             self._events.emit("in_place", round=new.round, confirmed=True)
             return new
-        late = ", ".join(str(s.global_rank) for s, _ in pending) or "none"
-        why = "a worker exited" if exited else f"rank(s) {late} did not confirm within {timeout:g} s"
         say(f"round {new.round}: in-place handover failed ({why}); stopping the worker group "
             "and starting it again in this round")  # fmt: skip
         self._events.emit("in_place", round=new.round, confirmed=False, reason=why)
@@ -518,6 +509,25 @@ class Agent:
         self._raise_if_signalled()
         self._start_group(new, reaper)
         return new
+
+    def _await_confirmations(
+        self, round: int, workers: list[tuple[WorkerSpec, int]], timeout: float
+    ) -> str | None:
+        """Wait up to ``timeout`` seconds for each of ``workers`` (spec, pid) to confirm
+        ``round``; None when all did, else why not (a worker exited; the ranks that did not
+        confirm). Raises `_Stopped` on a handled signal."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = [(s, p) for s, p in workers if not in_place.confirmed(s.log_dir, round, p)]
+            if self._group.wait(0) is not None:
+                return "a worker exited"
+            if not workers:
+                return None
+            if time.monotonic() >= deadline:
+                late = ", ".join(str(s.global_rank) for s, _ in workers)
+                return f"rank(s) {late} did not confirm within {timeout:g} s"
+            self._group.wait(min(self.config.monitor_interval, 0.05))
+            self._raise_if_signalled()
 
     def _on_failure(self, rdzv: Rendezvous, info: RendezvousInfo, result: GroupResult) -> str:
         first = result.failures[0]
