@@ -22,6 +22,9 @@ model with an explicit process group or mesh; there are no module-level global g
   accumulation, under FSDP or DDP alike.
 - `checkpoint` (``save``, ``load``, ``latest``, ``model_state``, ``optimizer_state``):
   distributed checkpoints that reshard on load (`placement` says which blocks a rank holds).
+- `elastic.steps()`: a training loop that survives a lost or joining node in place (the
+  survivors change world and retry the step; opt-in with the ``meshrun`` agent, see
+  docs/faults.md "Recovery in place").
 - `heartbeat()`: progress for ``meshrun --hang-timeout`` (the strategies call it every step);
   `busy()`: long work that is not a step (an evaluation; checkpoint save and load use it).
 - `parallelize()` + `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`, ...: tensor and
