@@ -65,6 +65,9 @@ the last W and runs once. A fully_shard stage module is switched to
 unsharded parameters that W still reads; each microbatch's are freed in its own W) and back
 after its last W; gradient sync is off for every W but the stage's last, in which each unit
 reduce-scatters once (a W is one autograd call per unit: a unit's layers share its gather).
+These switches are checked at construction and at each training step (data parallelism may
+be applied after the schedule is built); torch's ``DistributedDataParallel`` is refused (its
+``no_sync`` acts on the forwards, which the pipeline runs ahead of their backwards).
 
 Eval: ``eval(*args, target=None, losses=None)`` runs the forwards of the same order under
 ``torch.no_grad()`` (losses too when a target is given); nothing is kept for backward.
