@@ -76,7 +76,9 @@ class FSDPModule:
     def register_comm_hook(self, state: object, hook) -> None:
         """HSDP: average each unit's shard gradient over the replicas with
         ``hook(state, bucket)`` instead of the plain all-reduce; for this module's unit and
-        every unit below it. Register before the first backward.
+        every unit below it. Call it on the root (the outermost `fully_shard` module), as
+        torch's FSDP requires: the first forward (or this call, after it) refuses a hook on
+        part of the units. Register before the first backward.
 
         The replica all-reduce is DDP's over ``mesh.group("dp_replicate")``, so it takes DDP's
         hooks and their contract (`meshrun.parallel.comm_hooks`): ``bucket.buffer()`` is the
@@ -103,7 +105,9 @@ class FSDPModule:
             ValueError: a unit here is not HSDP (it has no replica all-reduce to hook: give
                 ``fully_shard`` a ``("dp_replicate", "dp_shard")`` mesh), or ``state`` is (or
                 holds, as ``state.process_group``) a process group other than the replica
-                group (None names the whole world).
+                group (None names the whole world); or the hook covers only part of the
+                units under the root (here once the root has run, else at its first forward:
+                ``is_last()`` would not mark the last bucket of every step).
             RuntimeError: a hook is already registered on one of the units.
 
         torch has no hook for HSDP: FSDP1's ``register_comm_hook`` replaces the
@@ -133,8 +137,16 @@ class FSDPModule:
                              f"{_ranks(units[0].replicate_group)}; pass "
                              f"mesh.group('dp_replicate') (as the state, or as PowerSGDState's "
                              f"process_group)")
+        root = units[0].root if units else None
+        if root is not None and {id(u) for u in root.units if u.params} != {id(u) for u in units}:
+            raise ValueError("register_comm_hook: call it on the root (the outermost "
+                             "fully_shard module, the one whose forward runs first): a hook on "
+                             "part of the model may never see the backward's last bucket "
+                             "(is_last()), so PowerSGD would never start; torch's FSDP has the "
+                             "same rule")
+        pair = (state, hook)  # one object for all: the first forward checks they share it
         for unit in units:
-            unit.replica_hook = (state, hook)
+            unit.replica_hook = pair
 
     def _fsdp_units(self, recurse: bool) -> list[Unit]:
         modules = self.modules() if recurse else [self]

@@ -369,6 +369,7 @@ class Unit:
             for name, m in self.module.named_modules():
                 if hasattr(m, "_fsdp_unit") and name:
                     m._fsdp_unit.bucket_prefix = name + "."
+            check_hook_coverage(root)
         return self.root
 
     # -- backward ---------------------------------------------------------------------------
@@ -435,6 +436,29 @@ class Unit:
 
 # -------------------------------------------------------------------------------------------
 # helpers
+
+
+def check_hook_coverage(root: Root) -> None:
+    """Every unit with parameters under ``root`` has the same replica hook, or none has one.
+
+    A bucket's ``is_last()`` is the backward's last bucket, so a hook on some units only (a
+    ``register_comm_hook`` on a unit below the root) may never see it: PowerSGD then never
+    counts a step and never starts compressing, silently. torch's FSDP allows the hook on the
+    root only, for the same reason.
+
+    Raises:
+        ValueError: the hooks differ between the root's units.
+    """
+    units = [u for u in root.units if u.params]
+    first = units[0].replica_hook if units else None
+    if any(u.replica_hook is not first for u in units):
+        same = [u.bucket_prefix + u.fqns[0][0] for u in units if u.replica_hook is first]
+        other = [u.bucket_prefix + u.fqns[0][0] for u in units if u.replica_hook is not first]
+        raise ValueError(f"register_comm_hook: the units under one root must share one hook "
+                         f"(call it on the root, the outermost fully_shard module): the units "
+                         f"holding {same} and those holding {other} differ (is_last() marks "
+                         f"the backward's last bucket: a hook on part of the model may never "
+                         f"see it, so PowerSGD would never start)")
 
 
 def _freed(t: torch.Tensor) -> bool:

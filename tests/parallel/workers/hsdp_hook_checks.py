@@ -17,7 +17,8 @@ Gradients are compared whole (`full_tensor` over the shard axis), then parameter
 - PowerSGD's state through `checkpoint`: saved after step 3 and loaded into a fresh model,
   optimizer and state, step 4 equals the uninterrupted run's (a fresh state at the same
   iteration does not);
-- refusals: a unit that is not HSDP, and a hook state on another group than the replicas.
+- refusals: a unit that is not HSDP, a hook state on another group than the replicas, and a
+  hook on a non-root unit (at the first forward, or at once once the root has run).
 """
 
 import copy
@@ -269,6 +270,28 @@ def check_refusals(ctx):
         assert "already" in str(e), e
     else:
         raise AssertionError("a second hook was accepted")
+    # a hook on part of the units (a non-root unit) never sees is_last(): PowerSGD never
+    # counted a step (iter stayed 0, no compression, silently); refused at the first forward,
+    # or at once when the root has run
+    part = hsdp(model(), mesh)
+    part[4].register_comm_hook(PowerSGDState(mesh.group("dp_replicate"), start_powerSGD_iter=2),
+                               powerSGD_hook)
+    x, _ = batch(0, dist.get_rank())
+    try:
+        part(x)
+    except ValueError as e:
+        assert "share one hook" in str(e) and "4.weight" in str(e), e
+    else:
+        raise AssertionError("a hook on a non-root unit was accepted at the first forward")
+    ran = hsdp(model(), mesh)
+    ran(x)
+    try:
+        ran[2].register_comm_hook(mesh.group("dp_replicate"), allreduce_hook)
+    except ValueError as e:
+        assert "on the root" in str(e), e
+    else:
+        raise AssertionError("a hook on a non-root unit was accepted after the first forward")
+    ran.register_comm_hook(mesh.group("dp_replicate"), allreduce_hook)  # the root: fine
 
 
 if __name__ == "__main__":
