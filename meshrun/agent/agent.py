@@ -498,6 +498,11 @@ class Agent:
             say(f"round {new.round}: every worker confirmed in place "
                 f"({time.monotonic() - t0:.2f} s after the restart was decided)")  # fmt: skip
             self._events.emit("in_place", round=new.round, confirmed=True)
+            for spec, pid in zip(specs, pids, strict=True):  # the same process, a new round
+                self._events.emit(
+                    "worker_start", round=new.round, rank=spec.global_rank,
+                    local_rank=spec.local_rank, worker_pid=pid, in_place=True,
+                )  # fmt: skip
             return new
         say(f"round {new.round}: in-place handover failed ({why}); stopping the worker group "
             "and starting it again in this round")  # fmt: skip

@@ -17,7 +17,8 @@ kind           fields
 agent_start    node (node id), nproc, run_id
 round_start    round, node_rank, num_nodes, world_size, rank_offset, local_world_size,
                restart_count, in_place (true when the running workers took the round in place)
-worker_start   round, rank, local_rank, worker_pid (``pid`` is the agent's, on every line)
+worker_start   round, rank, local_rank, worker_pid (``pid`` is the agent's, on every line),
+               in_place (true: the same process took this round in place, with this rank)
 worker_exit    round, rank, local_rank, exitcode (int; None when killed by a signal), signal
                (name, e.g. "SIGKILL", when killed by one), stopped (true when the agent stopped
                it: the group ended for another reason)

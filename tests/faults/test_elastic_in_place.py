@@ -131,10 +131,11 @@ def _losses(text: str) -> dict[int, list[float]]:
 
 
 def _worker_pids(node: Node) -> dict[int, set[int]]:
-    """round -> the worker pids the agent started in it (its ``worker_start`` events)."""
+    """round -> the worker pids the agent started in it (its ``worker_start`` events; those
+    of a process that took a round in place say so and are left out)."""
     pids: dict[int, set[int]] = {}
     for e in node.events():
-        if e["kind"] == "worker_start":
+        if e["kind"] == "worker_start" and not e.get("in_place"):
             pids.setdefault(e["round"], set()).add(e["worker_pid"])
     return pids
 
@@ -190,6 +191,9 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     rounds = [e for e in first.events() if e["kind"] == "round_start"]
     assert [(r["world_size"], r.get("in_place", False)) for r in rounds[-2:]] == [
         (2, True), (3, True)], rounds
+    kept = {e["worker_pid"] for e in first.events() if e["kind"] == "worker_start"
+            and e.get("in_place") and e["round"] == rounds[-1]["round"]}
+    assert kept == before[rounds[0]["round"]], (kept, before)  # the same two processes
     _same_curve(text, expected)
     worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
