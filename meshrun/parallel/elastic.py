@@ -5,13 +5,15 @@ Under a plain loop the worker exits, its agent restarts it, and the new process 
 torch, joins a new process group and reads a checkpoint. Under `steps()` the worker stays:
 
 1. the step's collective fails because a peer vanished (`peer_lost`): the step is abandoned
-   (nothing of it was applied: see "the rule" below), the RNG state is put back, every
-   process group is aborted and destroyed (so peers blocked on this rank fail at once too),
-   and ``ddp`` is undone on the live modules (`meshrun.parallel.ddp.unwrap`);
+   (nothing of it was applied: see "the rule" below), the RNG state is put back, the world
+   is left so that its connections close at once (`_teardown`: peers blocked on this rank
+   fail and follow instead of waiting for their collective timeout), and ``ddp`` is undone
+   on the live modules (`meshrun.parallel.ddp.unwrap`);
 2. it waits for its agent's offer of the next round (`meshrun.in_place`; the agent completes
    the rendezvous without stopping it), takes the round's RANK / WORLD_SIZE / MASTER_ADDR /
    MASTER_PORT / MESHRUN_ROUND into ``os.environ``, confirms, and joins the new world
-   (`meshrun.parallel.context.rejoin`);
+   (`meshrun.parallel.context.rejoin`); a round that breaks before it forms (another node
+   lost meanwhile: its agent closes the round's store) is left for the next offer;
 3. ``build()`` (the script's own: the mesh and the strategies, exactly as at the start) runs
    again on the live modules, then the ranks agree on the state (`_agree`): every rank says
    how many steps it has done; if they differ, the rank that did most (the lowest such rank)
