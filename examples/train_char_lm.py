@@ -54,6 +54,12 @@ by parameter name, so a start with any world size and any --pp/--tp/--dp layout 
 newest one (the directory must be visible to every rank). ``--fail-at-step S`` makes rank 0
 raise at step S on the first attempt (TORCHELASTIC_RESTART_COUNT=0), to show restart + resume.
 
+Recovery in place (``--elastic in-place``, ``--dp-mode ddp`` only for now): the loop runs
+under ``meshrun.parallel.elastic.steps``; when a node is lost or joins, meshrun's agent hands
+the running workers the new round, they change world (the mesh and ddp rebuilt on the live
+model, the state agreed by broadcast) and retry the step, with the same global batch rule:
+no process restarts, no checkpoint is read, no step is lost (docs/faults.md).
+
 Files: this script (flags, checkpoints, the training loop); ``char_lm/model.py`` (the model),
 ``char_lm/data.py`` (windows, epochs, batches), ``char_lm/parallelize.py`` (the mesh and the
 strategies, one step's forward / backward and gradient clip).
