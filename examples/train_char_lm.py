@@ -315,7 +315,6 @@ def main(argv=None):
               f"{' | '.join(mode)} | {batch_summary(args, global_batch, par.dp_size, n_micro)}",
               flush=True)
 
-    warmup = max(1, args.steps // 20)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     stop = StopRequest(device) if args.checkpoint_dir else None
     n_windows = (len(data) - 1) // args.block_size
@@ -330,10 +329,7 @@ def main(argv=None):
     for step in range(start, args.steps):
         if step == args.fail_at_step and master and restart_count == 0:
             raise RuntimeError(f"--fail-at-step {step}: failing on purpose (restart count 0)")
-        lr = args.lr * min(1.0, (step + 1) / warmup)  # linear warm-up, then cosine to lr/10
-        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_learning_rate(optimizer, args, step)
         ids = window_ids(position, global_batch, n_windows, args.seed)
         batches = [windows(data, part, args.block_size)
                    for part in microbatches(ids, par.dp_rank, par.dp_size, n_micro)]
@@ -395,7 +391,6 @@ def train_in_place(args, model, data, device):
     optimizer = make_optimizer(args, model.parameters())  # ddp keeps the same parameters
     global_batch = args.global_batch_size or args.batch_size * int(os.environ["WORLD_SIZE"])
     state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch}
-    warmup = max(1, args.steps // 20)
     n_windows = (len(data) - 1) // args.block_size
     t0, first = time.perf_counter(), None
     for attempt in elastic.steps(state, args.steps, build=build):
@@ -403,10 +398,7 @@ def train_in_place(args, model, data, device):
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
             first = step if first is None else first
             n_micro = check_batch(args, global_batch, par.dp_size)
-            lr = args.lr * min(1.0, (step + 1) / warmup)
-            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = set_learning_rate(optimizer, args, step)
             ids = window_ids(state["position"], global_batch, n_windows, args.seed)
             batches = [windows(data, part, args.block_size)
                        for part in microbatches(ids, par.dp_rank, par.dp_size, n_micro)]
@@ -436,6 +428,17 @@ def train_in_place(args, model, data, device):
               flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def set_learning_rate(optimizer, args, step):
+    """Set and return step ``step``'s learning rate: linear warm-up over the first 5 % of the
+    steps, then cosine decay to lr/10."""
+    warmup = max(1, args.steps // 20)
+    lr = args.lr * min(1.0, (step + 1) / warmup)
+    lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def master_now():
