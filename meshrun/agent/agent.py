@@ -487,6 +487,8 @@ class Agent:
         self._failed_round = False
         self._steps.forget()
         self._stragglers.reset()
+        if self._watch is not None:  # the wait for the round was the agent's, not a hang
+            self._watch.rearm()
         self._events.emit(
             "round_start", round=new.round, node_rank=new.node_rank, num_nodes=new.num_nodes,
             world_size=new.world_size, rank_offset=new.rank_offset,

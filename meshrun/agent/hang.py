@@ -61,6 +61,7 @@ class _Watched:
     path: Path
     seen: tuple[int, int] = (0, 0)  # (heartbeats, busy beats) at the last change
     changed_at: float = 0.0  # monotonic time they last changed (or 0: never beat)
+    base: int = 0  # heartbeats before the last `ProgressWatch.rearm` (watched once past it)
     last: Progress = Progress()
 
 
@@ -109,6 +110,15 @@ class ProgressWatch:
         w.last = read_progress(w.path) or w.last
         return w.last
 
+    def rearm(self) -> None:
+        """Watch each rank again from its next heartbeat on, as if it had just started: after
+        an in-place handover (`meshrun.in_place`) the same process enters a new world, and
+        the seconds it waited for the new round (which the agent spent in the rendezvous), or
+        a world whose strategies beat no heartbeat, are not a hang."""
+        for local_rank, w in enumerate(self._ranks):
+            p = self.sample(local_rank)
+            w.seen, w.changed_at, w.base = (p.heartbeats, p.busy_beats), time.monotonic(), p.heartbeats
+
     def check(self) -> list[Hang]:
         """The ranks hung now (empty when all watched ranks progressed within the timeout, and
         always without a timeout)."""
@@ -119,7 +129,8 @@ class ProgressWatch:
             seen = (p.heartbeats, p.busy_beats)
             if seen != w.seen:
                 w.seen, w.changed_at = seen, now
-            elif self.timeout is not None and p.heartbeats > 0 and now - w.changed_at >= self.timeout:
+            elif (self.timeout is not None and p.heartbeats > w.base
+                  and now - w.changed_at >= self.timeout):
                 idle = now - w.changed_at
                 hung.append(Hang(local_rank, p.heartbeats, idle, int((wall - idle) * 1000)))
         return hung
