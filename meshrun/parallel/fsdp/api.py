@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -66,12 +67,64 @@ class FSDPModule:
         """True (the default): the end of each backward (each autograd call) frees the
         unsharded parameters of every unit that a backward left unsharded. False: keep them
         until each forward's own backward has produced the unit's gradients (where they are
-        freed anyway): for a backward split into separate autograd calls, as the zero-bubble
-        pipeline schedules' B then W (the pipeline sets it for the step; it costs one
-        unsharded copy of the unit per microbatch between its B and its W). Mirrors FSDP2's
-        method of that name; ``recurse``: also every `fully_shard` unit below this module."""
+        freed anyway). Mirrors FSDP2's method of that name; ``recurse``: also every
+        `fully_shard` unit below this module. The pipeline's split backward does not change
+        it (it uses `set_split_backward`)."""
         for unit in self._fsdp_units(recurse):
             unit.reshard_after_backward = reshard_after_backward
+
+    def set_split_backward(self, split_backward: bool, *, recurse: bool = True) -> None:
+        """True while backwards run split into separate autograd calls for the input
+        gradient and the weight gradient (the zero-bubble pipeline schedules' B then W): the
+        end of an autograd call then keeps the unsharded parameters, which the weight pass
+        still reads (autograd unpacks every tensor a node saved), as
+        ``set_reshard_after_backward(False)`` would, without changing that setting; each
+        forward's are freed once its own gradients are in (in its W). It costs one
+        unsharded copy of the unit per microbatch between its B and its W. The pipeline
+        turns it on at a stage's first B and off after its last W (or a failed step);
+        ``recurse``: also every `fully_shard` unit below this module."""
+        for unit in self._fsdp_units(recurse):
+            unit.split_backward = split_backward
+
+    @contextlib.contextmanager
+    def backward_in_parts(self):
+        """The autograd calls made inside are the parts of one backward (a zero-bubble
+        pipeline's W runs one autograd call per group of layers): the reduce-scatters they
+        issue are one backward's buckets, indexed on across the parts, and only the very
+        last is finished at the block's end, marked ``is_last()``, so an HSDP comm hook that
+        counts steps (PowerSGD) counts one, as for an unsplit backward. A part that raises
+        abandons the backward (its reduce-scatters are waited for and dropped). Enter it on
+        the root (the outermost `fully_shard` module), after its first forward; not nested.
+
+        Raises:
+            RuntimeError: the root has not run forward yet, or the block is nested.
+
+        torch's pipelining gets the same effect by running FSDP2's post-backward itself
+        after the last W; here the root keeps its one end-of-backward."""
+        root = self._fsdp_unit.root
+        if root is None:
+            raise RuntimeError("backward_in_parts: the module has not run forward yet")
+        if root.parts:
+            raise RuntimeError("backward_in_parts: already inside one (not nested)")
+        root.parts = 1
+        try:
+            yield
+        except BaseException:
+            root.parts = 0
+            root.abandon_backward()
+            raise
+        root.parts = 0
+        root.finish_parts()
+
+    def discard_unsynced_gradients(self, *, recurse: bool = True) -> None:
+        """Drop the gradients that backwards without sync
+        (``set_requires_gradient_sync(False)``) accumulated and no synchronised backward has
+        reduced yet (one unsharded buffer per unit; ``optimizer.zero_grad()`` does not reach
+        them, they are not ``.grad``). For a step that failed midway: the pipeline calls it,
+        so that the next step does not add the failed one's gradients to its own. Local,
+        no communication; ``recurse``: also every `fully_shard` unit below this module."""
+        for unit in self._fsdp_units(recurse):
+            unit.grad_accum = None
 
     def register_comm_hook(self, state: object, hook) -> None:
         """HSDP: average each unit's shard gradient over the replicas with

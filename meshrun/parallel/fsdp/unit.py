@@ -41,9 +41,14 @@ Note: the unit and autograd.
 - Split backward (zero-bubble pipelines run a microbatch's B, the input gradient, and W, the
   weight gradients, as separate autograd calls): the end of B must not free the unsharded
   tensors W still reads (autograd unpacks every tensor a node saved, the weight included,
-  even where W computes only dW), so the pipeline sets ``set_reshard_after_backward(False)``
-  for the step; each microbatch's tensors are then freed by its own `AllGatherParams`
-  backward, in its W (the unit's one reduce-scatter, or accumulation without sync, is there).
+  even where W computes only dW), so the pipeline sets ``set_split_backward(True)`` from a
+  stage's first B to its last W (the user's ``set_reshard_after_backward`` is left as it
+  is); each microbatch's tensors are then freed by its own `AllGatherParams` backward, in
+  its W (the unit's one reduce-scatter, or accumulation without sync, is there). A W is one
+  autograd call per group of layers (a unit's layers share its gather): the last W runs
+  inside `FSDPModule.backward_in_parts`, so its reduce-scatters are one backward's buckets
+  (one sequence of indices, ``is_last()`` once: a stateful comm hook such as PowerSGD
+  counts one step).
 - No sync (`set_requires_gradient_sync(False)`): backward adds the packed unsharded gradients
   into a buffer the size of the unsharded unit and communicates nothing; the next synchronised
   backward adds its gradients to that buffer and reduce-scatters it (gradient accumulation
@@ -124,15 +129,12 @@ class Root:
         self.buckets = 0  # reduce-scatters finished this backward (HSDP hooks' bucket index)
         self.in_forward = False
         self.in_backward = False
+        self.parts = 0  # > 0: inside `FSDPModule.backward_in_parts` (one backward, many calls)
         self.inputs_checked = False  # the data check's once (`meshrun.parallel.data_check`)
 
     def begin_forward(self) -> None:
         if self.in_backward:  # a backward that raised never reached finish_backward: forget it
-            for _unit, work, _output, _packed in self.pending:
-                wait(work)
-            self.pending = []
-            self.in_backward = False
-            self.buckets = 0
+            self.abandon_backward()
         if self.order:
             self.previous = self.order
         self.order = []
@@ -172,21 +174,44 @@ class Root:
             self._finish(self.pending.pop(0), last=False)
         self.pending.append(entry)
 
+    def abandon_backward(self) -> None:
+        """Forget a backward that raised: wait for its reduce-scatters, drop their results."""
+        for _unit, work, _output, _packed in self.pending:
+            wait(work)
+        self.pending = []
+        self.in_backward = False
+        self.buckets = 0
+
     def finish_backward(self) -> None:
-        """End of backward: finish reduce-scatters, drop stray prefetches, free unsharded."""
+        """End of an autograd call: finish reduce-scatters, drop stray prefetches, free
+        unsharded parameters. Inside `backward_in_parts` the call is one part of a
+        backward: the newest reduce-scatter stays in flight (the next part's first one, or
+        `finish_parts`, finishes it), so only the whole backward's last bucket is marked
+        last and bucket indices run on across the parts."""
         try:
-            while self.pending:  # the last one finished here is the backward's last bucket
+            keep = 1 if self.parts else 0
+            while len(self.pending) > keep:  # the last one finished: the backward's last bucket
                 self._finish(self.pending.pop(0), last=len(self.pending) == 0)
             for unit in self.units:
                 unit.drop_gather()
                 unit._install(unit.params)  # a unit whose backward did not run to its end
-                if unit.full is not None and unit.reshard_after_backward:
+                if (unit.full is not None and unit.reshard_after_backward
+                        and not unit.split_backward):
                     for t in unit.full:
                         _free(t)
         finally:
             self.in_backward = False
-            self.buckets = 0
+            if not self.parts:
+                self.buckets = 0
         heartbeat()  # one backward done: progress for `meshrun --hang-timeout`
+
+    def finish_parts(self) -> None:
+        """The end of `backward_in_parts`: its last reduce-scatter is the last bucket."""
+        try:
+            while self.pending:
+                self._finish(self.pending.pop(0), last=len(self.pending) == 0)
+        finally:
+            self.buckets = 0
 
     def _finish(self, entry, last: bool) -> None:
         unit, work, output, _packed = entry
@@ -217,6 +242,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self.reshard_after_backward = True  # False: the end of backward keeps them (see api)
+        self.split_backward = False  # the pipeline's B/W switch: keep them too (see api)
         self.mp = mp_policy
         self.root: Root | None = None
         self.full: list[torch.Tensor] | None = None  # unsharded tensors of the latest forward

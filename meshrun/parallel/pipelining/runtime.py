@@ -61,10 +61,17 @@ of them may run long after the last B: with ddp on a stage module every W accumu
 ``no_sync`` and, after that stage's last W of the step, one backward that adds zero to each
 gradient lets ddp all-reduce the sums (`_synchronised_backward`), so the reduction waits for
 the last W and runs once. A fully_shard stage module is switched to
-``set_reshard_after_backward(False)`` at its B's (the end of B would otherwise free the
-unsharded parameters that W still reads; each microbatch's are freed in its own W) and back
-after its last W; gradient sync is off for every W but the stage's last, in which each unit
-reduce-scatters once (a W is one autograd call per unit: a unit's layers share its gather).
+``set_split_backward(True)`` at its B's (the end of B would otherwise free the unsharded
+parameters that W still reads; each microbatch's are freed in its own W) and back after its
+last W, leaving the user's ``set_reshard_after_backward`` as it was (an FSDP-style module
+without that switch, such as torch's FSDP2, is switched through
+``set_reshard_after_backward(False)``, then True); gradient sync is off for every W but the
+stage's last, in which each unit reduce-scatters once (a W is one autograd call per unit: a
+unit's layers share its gather). That last W runs inside the root's
+``backward_in_parts()``, so its autograd calls are one backward for FSDP: an HSDP comm hook
+sees one sequence of buckets and ``is_last()`` once per step (PowerSGD counts one step).
+A step that fails drops what its backwards accumulated without sync in fully_shard units
+(``discard_unsynced_gradients``).
 These switches are checked at construction and at each training step (data parallelism may
 be applied after the schedule is built); torch's ``DistributedDataParallel`` is refused (its
 ``no_sync`` acts on the forwards, which the pipeline runs ahead of their backwards).
@@ -75,6 +82,7 @@ Eval: ``eval(*args, target=None, losses=None)`` runs the forwards of the same or
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -285,7 +293,10 @@ class PipelineSchedule:
         so the schedule refuses to run again (`_check_usable`). The stage modules' FSDP
         switches go back to what a finished step leaves (gradient sync on, reshard after
         backward on): a step that failed between B and W left them off, and the modules may
-        outlive the schedule (an evaluation, a checkpoint, a plain backward)."""
+        outlive the schedule (an evaluation, a checkpoint, a plain backward). The gradients
+        that its backwards without sync accumulated in fully_shard units (not ``.grad``,
+        which ``zero_grad`` clears) are dropped: the next step on these modules (a new
+        schedule, a plain backward) would add them to its own."""
         try:
             return one.run(actions)
         except BaseException as e:
@@ -294,9 +305,11 @@ class PipelineSchedule:
                 module = st.submodule
                 if hasattr(module, "set_requires_gradient_sync"):
                     module.set_requires_gradient_sync(True)
-                if st.stage_index in self._split and hasattr(module,
-                                                             "set_reshard_after_backward"):
-                    module.set_reshard_after_backward(True)
+                for m in module.modules():  # meshrun's fully_shard units, wherever they are
+                    if hasattr(m, "discard_unsynced_gradients"):
+                        m.discard_unsynced_gradients(recurse=False)
+                if st.stage_index in self._split and _fsdp_style(module):
+                    _set_split(module, False)
             raise
 
     def _check_usable(self) -> None:
@@ -443,7 +456,7 @@ class _Step:
         floats = [x for x in inputs if x.is_floating_point()]
         if s in self.sched._split:  # B now (the input gradient), W later
             if _fsdp_style(stage.submodule):  # keep the unsharded parameters for W
-                stage.submodule.set_reshard_after_backward(False)
+                _set_split(stage.submodule, True)
             params = [p for p in stage.submodule.parameters() if p.requires_grad]
             grads, self.weights[(s, m)] = backward_input(tensors, grad_tensors, floats, params)
         else:
@@ -467,10 +480,14 @@ class _Step:
             if last:
                 _synchronised_backward(module)
             return
-        with gradient_sync(module, last):  # fully_shard: reduce-scatter in the last W
+        # fully_shard: each unit reduce-scatters in the last W, whose autograd calls (one per
+        # group of layers) are the parts of one backward: is_last() once for a comm hook
+        parts = module.backward_in_parts() if last and hasattr(module, "backward_in_parts") \
+            else contextlib.nullcontext()
+        with gradient_sync(module, last), parts:
             self.weights.pop((s, m)).backward_weight()
         if last and _fsdp_style(module):
-            module.set_reshard_after_backward(True)  # each W freed its microbatch's own
+            _set_split(module, False)  # each W freed its microbatch's own
 
     def _check_outputs(self, stage: PipelineStage, m: int, outputs: list):
         bad = [type(o).__name__ for o in outputs if not isinstance(o, torch.Tensor)]
@@ -651,6 +668,16 @@ def _synchronised_backward(module) -> None:
     if params:
         torch.autograd.backward(params, [torch.zeros((), dtype=p.dtype, device=p.device)
                                          .expand_as(p) for p in params])
+
+
+def _set_split(module, split: bool) -> None:
+    """Keep (True) or stop keeping a stage module's unsharded parameters from B to W:
+    meshrun's fully_shard has a switch for it that leaves the user's reshard_after_backward
+    alone; another FSDP-style module (torch's FSDP2) is switched through that setting."""
+    if hasattr(module, "set_split_backward"):
+        module.set_split_backward(split)
+    else:
+        module.set_reshard_after_backward(not split)
 
 
 def _fsdp_style(module) -> bool:
