@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.parallel import placement
 from meshrun.parallel._comm import all_reduce_, group_device, launched, wait
 from meshrun.parallel.heartbeat import blocked
 
@@ -65,15 +66,20 @@ class GradBucket:
     one view of it per parameter, shaped as the parameter; ``parameters()`` and, meshrun's
     addition, ``parameter_names()`` (the module's names) in the same order; ``index()``: the
     bucket's position in launch order; ``is_last()``: whether it is the last bucket of the
-    step (a stateful hook counts steps there).
+    step (a stateful hook counts steps there); meshrun's addition ``shard_group()``: under
+    HSDP the group the gradients were reduce-scattered over before the hook (None under
+    DDP), which a hook's agreement across all data-parallel ranks spans with the replicas.
     """
 
-    __slots__ = ("_buffer", "_gradients", "_index", "_is_last", "_names", "_parameters")
+    __slots__ = ("_buffer", "_gradients", "_index", "_is_last", "_names", "_parameters",
+                 "_shard_group")
 
     def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
-                 parameters: list[nn.Parameter], names: list[str], is_last: bool):
+                 parameters: list[nn.Parameter], names: list[str], is_last: bool,
+                 shard_group: dist.ProcessGroup | None = None):
         self._index, self._buffer, self._gradients = index, buffer, gradients
         self._parameters, self._names, self._is_last = parameters, names, is_last
+        self._shard_group = shard_group
 
     def index(self) -> int:
         return self._index
@@ -92,6 +98,9 @@ class GradBucket:
 
     def is_last(self) -> bool:
         return self._is_last
+
+    def shard_group(self) -> dist.ProcessGroup | None:
+        return self._shard_group
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         """Replace the buffer's values with ``tensor``'s (same number of elements)."""
@@ -209,7 +218,9 @@ class PowerSGDState:
 
     State (read them; `state_dict` saves them): ``iter`` (synchronised steps seen),
     ``error_dict`` and ``q_memory_dict`` (parameter name -> this rank's error feedback
-    ``[n, m]``, and ``Q`` ``[m, r]``), ``rng``. Unlike torch's, state is kept per parameter,
+    ``[n, m]``, and ``Q`` ``[m, r]``), ``where_dict`` (name -> the global offsets and sizes
+    of the rows this rank compressed: `powerSGD_hook` refuses state kept for other rows, as a
+    checkpoint saved at another sharding gives), ``rng``. Unlike torch's, state is kept per parameter,
     not per bucket, so it survives a rebuild of the buckets and a checkpoint loaded with
     other bucket caps; and error feedback is kept only for compressed matrices (torch keeps it
     for the whole bucket; for the uncompressed part it sums to zero over the ranks, so the
@@ -250,6 +261,11 @@ class PowerSGDState:
         self.rng = np.random.RandomState(random_seed)
         self.error_dict: dict[str, torch.Tensor] = {}
         self.q_memory_dict: dict[str, torch.Tensor] = {}
+        # parameter name -> where this rank's rows of it lie in the whole parameter (global
+        # offsets and sizes of its pieces, int64): a checkpoint loaded at another sharding
+        # holds error feedback of other rows, refused rather than added to these
+        self.where_dict: dict[str, torch.Tensor] = {}
+        self._verify_step = False  # loaded: the next compressed step's buckets all agree
         self.iter = 0
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
@@ -277,7 +293,8 @@ class PowerSGDState:
             "numel_after": self.total_numel_after_compression,
             "rng": {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-            "error": dict(self.error_dict), "q": dict(self.q_memory_dict)}}
+            "error": dict(self.error_dict), "q": dict(self.q_memory_dict),
+            "where": dict(self.where_dict)}}
 
     def create_for_load(self, saved: dict[str, torch.Size | None]) -> None:
         """Called by `meshrun.parallel.checkpoint.load` before it fills `state_dict`'s tensors:
@@ -298,11 +315,13 @@ class PowerSGDState:
                              f"saved at another world size; load it at the same one, or leave "
                              f"the comm hook's state out of the load (PowerSGD starts afresh)")
         device = self._device()
-        for part, target in (("error", self.error_dict), ("q", self.q_memory_dict)):
+        for part, target in (("error", self.error_dict), ("q", self.q_memory_dict),
+                             ("where", self.where_dict)):
             prefix = f"{mine}{part}."
             sizes = {k[len(prefix):]: size for k, size in saved.items() if k.startswith(prefix)}
             target.clear()
-            target.update({name: torch.zeros(size, device=device)
+            target.update({name: torch.zeros(size, device=device,
+                                             dtype=torch.int64 if part == "where" else None)
                            for name, size in sizes.items()})
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -316,6 +335,8 @@ class PowerSGDState:
                             int(rng["has_gauss"]), float(rng["cached_gaussian"])))
         self.error_dict.update(mine["error"])
         self.q_memory_dict.update(mine["q"])
+        self.where_dict.update(mine.get("where", {}))
+        self._verify_step = True
 
     def _device(self) -> torch.device:
         for t in (*self.error_dict.values(), *self.q_memory_dict.values()):
@@ -365,6 +386,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
         else:
             plain.append(grad)
             state.total_numel_after_compression += n * m
+    _check_where(state, bucket, {name for name, _, _ in compress})
     by_shape: dict[tuple, list] = {}
     for item in compress:  # grouped by shape, each group in bucket order: torch's order
         by_shape.setdefault(tuple(item[1].shape), []).append(item)
@@ -387,7 +409,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
             elif error.shape != matrix.shape:
                 raise ValueError(f"powerSGD_hook: {name}: the error feedback is "
                                  f"{tuple(error.shape)}, the gradient {tuple(matrix.shape)} "
-                                 f"(state of another model?)")
+                                 f"(state of another model, or saved at another sharding?)")
             else:
                 matrix.add_(error)
         local = [matrix.clone() for _, matrix, _ in compress]
@@ -431,6 +453,53 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
         return buffer
 
     return Pending(works, finish)
+
+
+def _check_where(state: PowerSGDState, bucket: GradBucket, names: set[str]) -> None:
+    """Record where this rank's rows of each compressed parameter lie, and refuse state kept
+    for other rows (a checkpoint saved at another sharding: the same shapes, other rows, or
+    no rows now where there were some).
+
+    In the first compressed step after a load, every bucket's verdict is agreed by all the
+    data-parallel ranks (a MAX of a flag over the bucket's shard group, then the replicas:
+    the whole dp_replicate x dp_shard grid), so that all of them refuse together rather than
+    some raising while the others wait in their next collective. Every rank calls the hook
+    for every bucket (an empty one too), in the same order, so the flags line up.
+
+    Raises:
+        ValueError: the state of one of ``names`` was kept for other pieces on some rank.
+    """
+    mismatch = None
+    for name, param in zip(bucket.parameter_names(), bucket.parameters(), strict=True):
+        if name not in names and name not in state.where_dict:
+            continue  # neither compressed now nor when the state was kept
+        where = torch.tensor([n for piece in placement.pieces(param)
+                              for n in (*piece.offsets, *piece.sizes)], dtype=torch.int64)
+        saved = state.where_dict.get(name)
+        if saved is not None and mismatch is None and not torch.equal(saved.cpu(), where):
+            mismatch = (name, saved.tolist(), where.tolist())
+        state.where_dict[name] = where
+    if state._verify_step:
+        if bucket.is_last():
+            state._verify_step = False
+        flag = torch.tensor([int(mismatch is not None)], device=bucket.buffer().device)
+        for group in (bucket.shard_group(), state.process_group):
+            if group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and mismatch is None:
+            raise ValueError("powerSGD_hook: the PowerSGD state (error feedback, Q) loaded on "
+                             "another rank was kept for other rows of its parameters: the "
+                             "checkpoint was saved at another sharding or world size; load it "
+                             "at the same layout, or leave the comm hook's state out of the "
+                             "load (PowerSGD starts afresh)")
+    if mismatch is not None:
+        name, saved, where = mismatch
+        raise ValueError(f"powerSGD_hook: {name}: the PowerSGD state (error feedback, Q) "
+                         f"was kept for the pieces (offsets, sizes) {saved} of the "
+                         f"parameter, this rank now holds {where}: the checkpoint was saved "
+                         f"at another sharding or world size; load it at the same layout, or "
+                         f"leave the comm hook's state out of the load (PowerSGD starts "
+                         f"afresh)")
 
 
 def _unpack(flat: torch.Tensor | None, views: list[torch.Tensor], buffer: torch.Tensor):

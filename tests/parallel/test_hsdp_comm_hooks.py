@@ -10,4 +10,4 @@ from harness import assert_all_ok, launch
 def test_hsdp_comm_hooks():
     result = launch("hsdp_hook_checks.py", 4, timeout=140)
     assert_all_ok(result)
-    assert len(result.results[0]) == 8, sorted(result.results[0])
+    assert len(result.results[0]) == 9, sorted(result.results[0])

@@ -437,7 +437,7 @@ class Unit:
         bucket = comm_hooks.GradBucket(
             index, output, [self.layout.local_view(output, i) for i in keep],
             [self.params[i] for i in keep], [self.bucket_prefix + self.fqns[i][0] for i in keep],
-            last)
+            last, shard_group=self.group)
         result = comm_hooks.resolve(hook(state, bucket), bucket)
         if result is not output:
             output.copy_(result.view_as(output))

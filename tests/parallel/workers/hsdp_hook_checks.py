@@ -16,7 +16,9 @@ Gradients are compared whole (`full_tensor` over the shard axis), then parameter
   to HSDP without a hook and to one process on both microbatches;
 - PowerSGD's state through `checkpoint`: saved after step 3 and loaded into a fresh model,
   optimizer and state, step 4 equals the uninterrupted run's (a fresh state at the same
-  iteration does not);
+  iteration does not); loaded where this rank holds other rows of a weight (of the same
+  size: 5 rows over 2 shards, then over 4), every rank refuses it at its first compressed
+  step, before any of its collectives;
 - refusals: a unit that is not HSDP, a hook state on another group than the replicas, and a
   hook on a non-root unit (at the first forward, or at once once the root has run).
 """
@@ -246,6 +248,42 @@ def check_powersgd_checkpoint(ctx):
     assert not torch.allclose(got[0], expected[0], rtol=1e-3), "PowerSGD state did not matter"
 
 
+def check_powersgd_state_of_other_rows(ctx):
+    def build(shape):
+        mesh = Mesh(shape)
+        torch.manual_seed(0)
+        m = fully_shard(nn.Sequential(nn.Linear(16, 5, bias=False)), mesh=mesh)
+        state = PowerSGDState(mesh.group("dp_replicate"), matrix_approximation_rank=1,
+                              start_powerSGD_iter=2, min_compression_rate=1)
+        m.register_comm_hook(state, powerSGD_hook)
+        return m, state
+
+    def step(m):
+        x = torch.randn(B, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+        m(x).square().sum().backward()
+
+    saved, state = build(SHAPE)
+    for _ in range(3):
+        step(saved)
+    # rank 1 held rows 3-4 of the weight at (2 replicas, 2 shards) and holds rows 2-3 at
+    # (1, 4): the same size, so its saved error feedback and Q would be added to other rows
+    with tempfile.TemporaryDirectory() as tmp:
+        box = [tmp]
+        dist.broadcast_object_list(box)
+        checkpoint.save({"comm_hook": state}, f"{box[0]}/ckpt")
+        other, other_state = build({"dp_replicate": 1, "dp_shard": 4})
+        checkpoint.load({"comm_hook": other_state}, f"{box[0]}/ckpt")
+        dist.barrier()
+    if dist.get_rank() == 1:
+        assert other_state.error_dict["0.weight"].shape == (2, 16), other_state.error_dict
+    try:
+        step(other)
+    except ValueError as e:
+        assert "another sharding or world size" in str(e), e
+    else:
+        raise AssertionError("PowerSGD state kept for other rows was used")
+
+
 def check_refusals(ctx):
     mesh = Mesh(SHAPE)
     flat = fully_shard(model())
@@ -297,4 +335,5 @@ def check_refusals(ctx):
 if __name__ == "__main__":
     run_checks([check_allreduce_hook, check_fp16_compress_hook, check_bf16_compress_hook,
                 check_powersgd_exact_on_rank_one, check_powersgd_approximates_otherwise,
-                check_gradient_accumulation, check_powersgd_checkpoint, check_refusals])
+                check_gradient_accumulation, check_powersgd_checkpoint,
+                check_powersgd_state_of_other_rows, check_refusals])
