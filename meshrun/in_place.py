@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 import time
 from pathlib import Path
 
@@ -61,11 +63,19 @@ def channel() -> Path | None:
 
 
 def opt_in() -> bool:
-    """Tell the agent this process takes new worlds in place; False without a channel."""
+    """Tell the agent this process takes new worlds in place; False without a channel, or
+    when the ``ready`` file cannot be written (a full log disk: said on stderr): the process
+    then runs on as one that did not opt in, and is restarted at a membership change."""
     where = channel()
     if where is None:
         return False
-    _write(where / READY, {"pid": os.getpid()})
+    try:
+        _write(where / READY, {"pid": os.getpid()})
+    except OSError as e:
+        print(f"meshrun.in_place: cannot opt in to in-place recovery ({e.strerror or e}: "
+              f"{e.filename}); this worker will be restarted at a change of world",
+              file=sys.stderr, flush=True)
+        return False
     return True
 
 
@@ -81,7 +91,12 @@ def offer_after(round: int) -> dict | None:
 
 
 def confirm(round: int) -> None:
-    """Tell the agent this process took round ``round``'s environment."""
+    """Tell the agent this process took round ``round``'s environment.
+
+    Raises:
+        OSError: the ``confirmed`` file cannot be written (a full log disk); the agent would
+            stop this process at the deadline anyway, and sees its exit at once.
+    """
     where = channel()
     if where is not None:
         _write(where / CONFIRMED, {"round": round, "pid": os.getpid()})
@@ -99,7 +114,12 @@ def opted_in(log_dir: Path, pid: int) -> bool:
 
 def make_offer(log_dir: Path, round: int, env: dict[str, str], deadline_s: float) -> None:
     """Hand the worker round ``round``'s variables (`ROUND_ENV` of ``env``); it has
-    ``deadline_s`` seconds to confirm."""
+    ``deadline_s`` seconds to confirm.
+
+    Raises:
+        OSError: the offer cannot be written (a full log disk, an ``offer`` path that is
+            not a file); the worker then cannot take the round in place.
+    """
     _write(Path(log_dir) / OFFER, {
         "round": round, "env": {k: env[k] for k in ROUND_ENV if k in env},
         "deadline_s": deadline_s, "issued_ms": int(time.time() * 1000),
@@ -116,15 +136,34 @@ def confirmed(log_dir: Path, round: int, pid: int) -> bool:
 
 
 def _write(path: Path, value: dict) -> None:
-    """Write ``value`` as JSON by renaming a complete file over ``path`` (atomic)."""
+    """Write ``value`` as JSON by renaming a complete file over ``path`` (atomic); on an
+    error (OSError) nothing is left behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+#: The largest channel file read (bytes); the files are a few hundred bytes.
+MAX_BYTES = 64 * 1024
 
 
 def _read(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+    """The JSON object in ``path``, or None: missing, unreadable, larger than `MAX_BYTES`,
+    not a regular file, not JSON (also nested too deep to parse: RecursionError), or not an object. The other
+    side may be anything, so nothing it wrote raises here."""
+    try:  # non-blocking: a FIFO planted there must not stop the agent
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            return None
+        value = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

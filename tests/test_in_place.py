@@ -44,3 +44,32 @@ def test_a_bad_offer_is_no_offer(tmp_path, monkeypatch):
     for text in ("{", "[]", '{"round": "9", "env": {}}', '{"round": 9, "env": "x"}'):
         (tmp_path / in_place.OFFER).write_text(text)
         assert in_place.offer_after(0) is None, text
+
+
+def test_nothing_the_other_side_writes_raises(tmp_path, monkeypatch):
+    # the agent reads what a worker wrote and the worker what the agent wrote: JSON nested
+    # too deep (RecursionError), a huge file, a directory or a FIFO in a file's place are no
+    # file at all, and never raise or block
+    monkeypatch.setenv(in_place.CHANNEL_ENV, str(tmp_path))
+    pid = os.getpid()
+    (tmp_path / in_place.READY).write_text("[" * 100_000)
+    assert not in_place.opted_in(tmp_path, pid)
+    (tmp_path / in_place.READY).write_text('{"pid": ' + str(pid) + ', "pad": "' + "x" * 10**6 + '"}')
+    assert not in_place.opted_in(tmp_path, pid)
+    (tmp_path / in_place.CONFIRMED).mkdir()
+    assert not in_place.confirmed(tmp_path, 1, pid)
+    os.mkfifo(tmp_path / in_place.OFFER)
+    assert in_place.offer_after(0) is None
+
+
+def test_a_channel_that_cannot_be_written(tmp_path, monkeypatch):
+    # a full disk (here: a non-empty directory where the file goes): the worker's opt-in
+    # fails quietly (it runs on as a worker that did not opt in), the agent's offer raises
+    # OSError (it falls back to a restart), and no temporary file is left behind
+    monkeypatch.setenv(in_place.CHANNEL_ENV, str(tmp_path))
+    for name in (in_place.READY, in_place.OFFER):
+        (tmp_path / name / "x").mkdir(parents=True)
+    assert not in_place.opt_in()
+    with pytest.raises(OSError):
+        in_place.make_offer(tmp_path, 1, {"RANK": "0"}, 5.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [in_place.OFFER, in_place.READY]

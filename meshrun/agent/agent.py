@@ -477,12 +477,17 @@ class Agent:
         specs = [self._spec(new, s.local_rank, s.log_dir.parent) for s in self._group.specs]
         self._group.renumber(specs)
         pids = self._group.pids
-        for spec in specs:
-            in_place.make_offer(spec.log_dir, new.round, dict(spec.env), timeout)
+        why = None
+        try:
+            for spec in specs:
+                in_place.make_offer(spec.log_dir, new.round, dict(spec.env), timeout)
+        except OSError as e:  # a full log disk: the workers cannot be told
+            why = f"the offer could not be written: {e.strerror or e}"
         ranks = f"ranks {new.rank_offset}..{new.rank_offset + new.local_world_size - 1}"
         say(f"round {new.round}: node rank {new.node_rank} of {new.num_nodes}, {ranks} of "
-            f"world size {new.world_size}, restart count {new.restart_count}; handed to the "
-            f"running workers (pids {', '.join(map(str, pids))}), {timeout:g} s to confirm")
+            f"world size {new.world_size}, restart count {new.restart_count}"
+            + ("" if why else f"; handed to the running workers (pids "
+               f"{', '.join(map(str, pids))}), {timeout:g} s to confirm"))
         self._group_info = new
         self._failed_round = False
         self._steps.forget()
@@ -495,7 +500,9 @@ class Agent:
             local_world_size=new.local_world_size, restart_count=new.restart_count,
             in_place=True,
         )  # fmt: skip
-        why = self._await_confirmations(new.round, list(zip(specs, pids, strict=True)), timeout)
+        if why is None:
+            why = self._await_confirmations(new.round, list(zip(specs, pids, strict=True)),
+                                            timeout)
         if why is None:
             say(f"round {new.round}: every worker confirmed in place "
                 f"({time.monotonic() - t0:.2f} s after the restart was decided)")  # fmt: skip

@@ -11,10 +11,12 @@ from support import free_port
 
 from tests.faults.test_elastic_in_place import (
     EXAMPLE,
+    IGNORER,
     KILL_AFTER,
     TRAIN,
     Node,
     _accepts,
+    _two_nodes,
     _wait,
     _worker_pids,
 )
@@ -58,3 +60,25 @@ def test_hang_timeout_does_not_fire_on_the_handover(tmp_path):
     assert "every worker confirmed in place" in text, text
     assert not re.search(r"rank \d+ hung|hang: likely", text), text
     assert _worker_pids(first) == before, first.events()
+
+
+@pytest.mark.timeout(90)
+def test_an_offer_that_cannot_be_written_falls_back_to_a_restart(tmp_path):
+    # the worker's channel cannot take the offer (a non-empty directory where the file goes,
+    # as a full disk would refuse it): the agent must not crash; it restarts the group in
+    # the new round, as for a worker that did not confirm
+    first, second = _two_nodes(tmp_path, [str(IGNORER)], 1, IGNORER_BLOCK_OFFER="1")
+    nodes = [first, second]
+    try:
+        _wait(lambda: re.search(r"round (\d+): node rank 0 of 2", first.text())
+              and "opted in" in first.text(), "a two-node round whose worker opted in", 60,
+              nodes)
+        second.kill()
+        assert first.proc.wait(60) == 0, first.text()
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+    text = first.text()
+    assert re.search(r"in-place handover failed \(the offer could not be written: ", text), text
+    assert re.search(r"fresh \d+ round \d+", text), text
