@@ -53,6 +53,7 @@ import gc
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, MutableMapping
@@ -160,7 +161,12 @@ def steps(
             continue
         attempt = Attempt(state["step"], loop.built, loop.changes)
         rng = torch.get_rng_state()
-        yield attempt
+        watch = _OfferWatch(loop.round) if in_place.channel() is not None else None
+        try:
+            yield attempt
+        finally:
+            if watch is not None:
+                watch.stop()
         if attempt.done:
             state["step"] += 1
             continue
@@ -170,6 +176,47 @@ def steps(
         torch.set_rng_state(rng)  # the step is tried again from its own start
         error, attempt = attempt.error, None  # the attempt's world is the old one's
         loop.change_world(error)
+
+
+class _OfferWatch:
+    """While a step runs: the agent's offer of a new world that the step does not end within
+    a grace (a quarter of the offer's deadline, at most `GRACE_S`) means this rank is blocked
+    in a collective on a peer that went silent (a cut link: no reset ever arrives, the
+    collective would wait for its timeout). Then the world's connections are shut down
+    (`shut_down_world_sockets`), so the collective fails now as if the peer had vanished and
+    the loop changes world. A step that ends in time (a node joins; healthy peers) takes the
+    offer at its boundary, as without the watch; a step longer than the grace is cut short and
+    retried in the new world, which costs that step, never its result. One thread per step,
+    a small file read every `INTERVAL_S`."""
+
+    INTERVAL_S = 0.05
+    GRACE_S = 2.0
+
+    def __init__(self, round: int):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(round,), daemon=True,
+                                        name="meshrun-elastic-offer-watch")
+        self._thread.start()
+
+    def _run(self, round: int) -> None:
+        seen_at = grace = None
+        while not self._stop.wait(self.INTERVAL_S):
+            offer = in_place.offer_after(round)
+            if offer is None:
+                continue
+            if seen_at is None:
+                seen_at = time.monotonic()
+                deadline = offer.get("deadline_s")
+                grace = min(self.GRACE_S, float(deadline) / 4 if isinstance(
+                    deadline, (int, float)) else self.GRACE_S)
+            elif time.monotonic() - seen_at >= grace:
+                shut_down_world_sockets()
+                return
+
+    def stop(self) -> None:
+        """End the watch; returns once its thread has (nothing is shut down after)."""
+        self._stop.set()
+        self._thread.join()
 
 
 class _Loop:

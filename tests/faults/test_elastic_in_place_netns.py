@@ -1,0 +1,105 @@
+"""In-place recovery across hosts (issue 22): the two nodes are network namespaces joined by
+a veth link (`netns_pair`), c10d hosted by node A, gloo on each namespace's veth. Node A runs
+two workers, node B one; once the three ranks train, B dies whole (SIGKILL of its agent and
+its worker) or B's link is cut (its veth goes down: no reset reaches A, a peer that is
+silent, not gone). Either way A's agent joins the next round without stopping its workers,
+they change world and retry the step: the same two worker processes train every step, and
+each step's loss equals one process training on the whole global batch."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.faults.test_elastic_in_place import (
+    CONF,
+    EXAMPLE,
+    KILL_AFTER,
+    TRAIN,
+    _env,
+    _same_curve,
+    expected,  # noqa: F401 - the reference curve, a fixture
+)
+
+PORT = 29417  # inside namespace A only
+
+
+class NsNode:
+    """One agent inside a namespace; its output in ``<tmp>/<name>.out``."""
+
+    def __init__(self, pair, host, tmp: Path, name: str, job: str, nproc: int,
+                 is_host: bool):
+        self.out, self.name = tmp / f"{name}.out", name
+        argv = [sys.executable, "-m", "meshrun", "--nnodes", "1:2", "--nproc-per-node",
+                str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"{pair.a.addr}:{PORT}", "--rdzv-conf", f"{CONF},is_host={int(is_host)}",
+                "--rdzv-id", job, "--node-rank", "0" if is_host else "1",
+                "--monitor-interval", "0.1", "--shutdown-timeout", "3",
+                "--log-dir", str(tmp / f"logs_{name}"),
+                str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.1"]
+        with open(self.out, "w") as out:
+            self.proc = pair.popen(host, argv, env=_env(GLOO_SOCKET_IFNAME=host.ifname),
+                                   cwd=tmp, stdout=out, stderr=out)
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def kill(self) -> None:
+        try:
+            agent = psutil.Process(self.proc.pid)
+            victims = [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            victims = []
+        for p in victims:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(10)
+
+
+def _wait(predicate, what: str, timeout: float, nodes) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {n.name} ---\n{n.text()}" for n in nodes)
+            raise AssertionError(f"{what} did not happen in {timeout} s\n{logs}")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_survivor_keeps_its_processes_across_hosts(netns_pair, tmp_path, expected, fault):  # noqa: F811
+    pair = netns_pair
+    a = NsNode(pair, pair.a, tmp_path, "A", fault, 2, True)
+    b = NsNode(pair, pair.b, tmp_path, "B", fault, 1, False)
+    nodes = [a, b]
+    try:
+        _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3", a.text()),
+              f"step {KILL_AFTER} at world 3", 90, nodes)
+        if fault == "kill":
+            b.kill()
+        else:
+            pair.cut()
+        assert a.proc.wait(90) == 0, a.text()
+    finally:
+        if fault == "cut":
+            from tests.faults.conftest import _ip
+
+            _ip("-n", pair.b.ns, "link", "set", pair.b.ifname, "up")
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+    text = a.text()
+    assert "every worker confirmed in place" in text, text
+    assert "restarting the worker group" not in text, text
+    _same_curve(text, expected)
+    worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
+    assert worlds[0] == 3 and worlds[-1] == 2, worlds
