@@ -81,6 +81,7 @@ from meshrun.rendezvous import (
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
+    StoreGoneError,
     check_endpoint,
     open_store,
     settings_from_conf,
@@ -270,6 +271,14 @@ class Agent:
         except _Stopped as e:  # no workers ran (during rendezvous)
             say(f"received {signal.Signals(e.signum).name} during rendezvous; exiting")
             return 128 + e.signum
+        except StoreGoneError as e:  # etcd: perhaps the others finished without this node
+            finished = rdzv.finished_without_this_node() if rdzv is not None else None
+            if finished is None:
+                say(f"error: rendezvous failed: {e}")
+                return EXIT_RENDEZVOUS
+            say(f"the job finished without this node ({finished}): its other nodes succeeded "
+                "in a round this node was not in; exiting")  # fmt: skip
+            return EXIT_OK
         except RendezvousError as e:
             say(f"error: rendezvous failed: {e}")
             return EXIT_RENDEZVOUS

@@ -349,7 +349,8 @@ class WorkerGroup:
         ``death_sig`` (SIGTERM, or the signal the agent received, forwarded once) goes to every
         worker's process group and to descendants that left it (setsid, setpgid), found with
         psutil before signalling, and with ``adopt_orphans`` to every other child of this
-        process (orphans of the workers' trees). After ``grace`` seconds in total (or as
+        process (orphans of the workers' trees); SIGCONT follows it, so a stopped process
+        takes it now. After ``grace`` seconds in total (or as
         soon as everything is gone) whatever is left gets SIGKILL, whole trees. Then the
         process groups are forgotten by the reaper, the workers (and orphans) are reaped, the
         output forwarders finish (waiting at most ~1 s for EOF if an escaped descendant still
@@ -369,13 +370,18 @@ class WorkerGroup:
                 }
 
             # 1. SIGTERM: every group, and descendants found now (before parents die and their
-            #    children are re-parented out of reach).
+            #    children are re-parented out of reach). Then SIGCONT, as systemd does: a
+            #    stopped process (SIGSTOP, ^Z, a debugger's stop) gets its SIGTERM only once
+            #    it runs again, so it would otherwise hold the stop for the whole grace
+            #    (while the other nodes go on, and may finish the job, without this one).
             escaped = self._descendants() + self._orphans()
             with self._reap_lock:
                 for w in self._workers:
                     _quiet_killpg(w.proc.pid, death_sig)
+                    _quiet_killpg(w.proc.pid, _signal.SIGCONT)
             for p in escaped:
                 _quiet_signal(p, death_sig)
+                _quiet_signal(p, _signal.SIGCONT)
 
             # 2. Up to `grace` for all: workers (event-driven), then the rest (polled).
             with self._cond:

@@ -18,6 +18,7 @@ from meshrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousSettings,
     RendezvousTimeoutError,
+    StoreGoneError,
     StoreLostError,
     settings_from_conf,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "RendezvousSettings",
     "RendezvousTimeoutError",
     "Store",
+    "StoreGoneError",
     "StoreLostError",
     "check_endpoint",
     "workers_port",

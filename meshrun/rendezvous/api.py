@@ -33,6 +33,11 @@ class StoreLostError(RendezvousError):
     """The rendezvous store stopped answering (its host died, or the network to it did)."""
 
 
+class StoreGoneError(StoreLostError):
+    """The job's keys are gone from a store that outlives the agents (etcd): the job's last
+    node out deleted them (the job ended without this node), or their lease expired."""
+
+
 def decode_json(raw: bytes, what: str, make=lambda value: value):
     """``make(json.loads(raw))`` for a value read from the store; anything malformed (not
     JSON, missing or extra fields, wrong types) is one `RendezvousError` line naming ``what``

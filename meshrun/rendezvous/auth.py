@@ -292,6 +292,10 @@ class AuthenticatedStore(Store):
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         return self.inner.liveness(node_id, dead_after)
 
+    def last_value(self, key: str, since_version: int) -> bytes | None:
+        raw = self.inner.last_value(key, since_version)
+        return None if raw is None else self.open(key, raw)  # a forgery is no value
+
     def delete_prefix(self, prefix: str) -> None:
         self.inner.delete_prefix(prefix)
 

@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 
-from meshrun.rendezvous.api import RendezvousError, StoreLostError
+from meshrun.rendezvous.api import RendezvousError, StoreGoneError
 from meshrun.rendezvous.etcd_gateway import (
     EtcdError,
     EtcdOptions,
@@ -54,6 +54,10 @@ from meshrun.rendezvous.etcd_liveness import EtcdLiveness, liveness_key
 from meshrun.rendezvous.store import Liveness, Store, Versioned
 
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops: more operations in one transaction fail
+
+
+_HISTORY_EVENTS = 256  # writes of one key replayed at most by `EtcdStore.last_value`
+_HISTORY_WAIT_S = 2.0  # history is served at once; this only ends a watch with no event
 
 
 def open_etcd_store(endpoint: str, settings, *, job_lease: bool = True) -> EtcdStore:
@@ -162,9 +166,10 @@ class EtcdStore(Store):
 
     def _check_lease(self) -> None:
         if self._lease_lost:
-            raise StoreLostError(
-                f"rendezvous store lost: the job's keys in {self.options.describe()} expired "
-                f"(no agent refreshed the job's lease for {self.job_ttl} s)"
+            raise StoreGoneError(
+                f"rendezvous store lost: the job's keys in {self.options.describe()} are gone: "
+                "the job's last node out deleted them (the job ended without this node), or "
+                f"they expired (no agent refreshed the job's lease for {self.job_ttl} s)"
             )
 
     def _write_lease(self) -> dict:
@@ -368,6 +373,25 @@ class EtcdStore(Store):
             return (-1, -1)
         result = self._call("kv/lease/timetolive", {"ID": str(item.lease)})
         return int(result.get("TTL", -1)), int(result.get("grantedTTL", -1))
+
+    def last_value(self, key: str, since_version: int) -> bytes | None:
+        """From etcd's history: a watch from revision ``since_version`` (the key's
+        mod_revision when this client read it) replays the key's writes since, up to its
+        delete. A late node whose job's keys the last node out deleted reads there how the
+        job ended (etcd keeps the history until a compaction; etcd's own clients resume
+        watches the same way). None when the history was compacted past that revision or
+        the stream broke before the key's end; then nothing can be said."""
+        if since_version <= 0:
+            return None
+        version, start, last = 0, since_version, None
+        for _ in range(_HISTORY_EVENTS):
+            changed, item, revision = self._gw.watch(key, version, start, _HISTORY_WAIT_S)
+            if not changed:  # no later write (the key still exists), or a broken stream
+                return last if revision >= 0 else None
+            if item is None:
+                return last  # deleted: what it held before
+            last, version, start = item.value, item.version, revision + 1
+        return None
 
     def delete_prefix(self, prefix: str) -> None:
         self._call("kv/deleterange", {"key": b64(prefix), "range_end": range_end(prefix)})

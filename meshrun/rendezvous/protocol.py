@@ -250,6 +250,7 @@ class Rendezvous:
         self._spare_noted = -1
         self._watched_round = -1  # the running round a waiting node watches a member of
         self._swept = -1  # the last round whose keys this node knows to be deleted
+        self._state_seen = 0  # the latest version of the job state this node read
         self.info: RendezvousInfo | None = None
         self._heartbeat = _Heartbeat(store, me.node_id, settings)
 
@@ -284,7 +285,24 @@ class Rendezvous:
         item = self.store.get(state_key(self._prefix))
         if item is None:
             return JobState(), 0
+        self._state_seen = max(self._state_seen, item.version)
         return JobState.from_json(item.value), item.version
+
+    def finished_without_this_node(self) -> str | None:
+        """The reason the job succeeded, when its keys vanished from a store that outlives the
+        agents because the others finished without this node (it was out of the last round:
+        stopping its workers took longer than the round took); None when the store cannot
+        tell (no history, compacted) or the job did not succeed. Read from the store's
+        history of the job state (`Store.last_value`) since the version this node last read.
+        """
+        raw = self.store.last_value(state_key(self._prefix), self._state_seen)
+        if raw is None:
+            return None
+        try:
+            state = JobState.from_json(raw)
+        except RendezvousError:
+            return None
+        return state.reason if state.status == SUCCEEDED else None
 
     @staticmethod
     def _raise_if_ended(state: JobState) -> None:
@@ -343,8 +361,10 @@ class Rendezvous:
     def _read_round(self, round: int) -> tuple[tuple[JobState, int], Versioned | None]:
         """The job state with its version, and round ``round``'s ``closed`` key: one read."""
         item, closed = self.store.get_many([state_key(self._prefix), self._round_key(round, "closed")])
-        state = (JobState(), 0) if item is None else (JobState.from_json(item.value), item.version)
-        return state, closed
+        if item is None:
+            return (JobState(), 0), closed
+        self._state_seen = max(self._state_seen, item.version)
+        return (JobState.from_json(item.value), item.version), closed
 
     def _wait_for_close(
         self, target: int, known: tuple[JobState, int] | None = None

@@ -162,6 +162,13 @@ class Store(abc.ABC):
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         """A `Liveness` for ``node_id``; may open its own connection (it beats from a thread)."""
 
+    def last_value(self, key: str, since_version: int) -> bytes | None:
+        """The last value ``key`` held, from the store's history of its writes from version
+        ``since_version`` (one this client read) on: the key may have been deleted since.
+        None where the store keeps no history (TCPStore, memory), or no longer reaches back
+        that far (etcd's compaction)."""
+        return None
+
     def delete_prefix(self, prefix: str) -> None:  # noqa: B027 - optional where keys cannot be listed
         """Delete every key under ``prefix`` (old rounds; etcd: nothing may be left after a
         job). A store that cannot list its keys may keep them (they die with it)."""

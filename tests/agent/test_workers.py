@@ -441,6 +441,22 @@ def test_stop_a_worker_that_handles_sigterm_is_quick(tmp_path, groups):
     g.stop(grace=10)  # idempotent
 
 
+def test_stop_of_a_stopped_worker_does_not_wait_out_the_grace(tmp_path, groups):
+    """A SIGSTOPped worker (a hang, ^Z, a debugger) gets its SIGTERM only once it runs: the
+    stop continues it, so it answers at once instead of being killed after the grace (30 s
+    by default: long enough for the other nodes to finish the job without this one)."""
+    out = Recorder()
+    g = groups([spec(tmp_path, 0, TERM_HANDLER)], None, console_stdout=out)
+    g.start()
+    assert out.wait_for(b"ready\n", 10) is not None
+    [(_, pid)] = g.running()
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    g.stop(grace=10)
+    assert time.monotonic() - t0 < 3.0  # a liveness bound: without SIGCONT, the 10 s grace
+    assert g.wait(0).state is WorkerState.SUCCEEDED  # its handler ran: no SIGKILL
+
+
 def test_stop_sigkills_a_worker_that_ignores_sigterm_after_the_grace(tmp_path, groups):
     out = Recorder()
     g = groups(

@@ -134,6 +134,25 @@ def test_spare_exits_0_when_job_finishes(etcd_server, etcd_job):
     assert etcd_server.keys(PREFIX) == []
 
 
+def test_a_node_still_stopping_when_the_job_finishes_exits_0(etcd_server, etcd_job):
+    """A worker fails; the other node's worker takes 8 s to answer SIGTERM (it saves), so its
+    node is still stopping when the failed node's next round (MIN = 1) trains and finishes
+    alone, and the last node out deletes the job's keys. The late node finds them gone and
+    reads from etcd's history that the job succeeded: exit 0, as the job did (it exited 3,
+    "expired", before)."""
+    job = etcd_job(etcd_server, "1:2")
+    env = {"FAIL_RANK": "0", "FAIL_ATTEMPT": "0", "SLOW_TERM_S": "8"}
+    for _ in range(2):
+        job.node("--max-restarts", "3", "--shutdown-timeout", "30", env=env)
+    job.wait_records(in_round(0, 2))
+    job.wait_records(in_round(1, 1), timeout=40)  # the failed node, alone
+    job.stop_file.touch()
+    assert job.finish() == [0, 0], job.logs()
+    logs = job.logs()
+    assert logs.count("the job finished without this node (job finished)") == 1, logs
+    assert etcd_server.keys(PREFIX) == []
+
+
 def test_waiting_costs_no_polling_and_kill9_leaves_nothing(etcd_server, etcd_job):
     """A node waiting for a MIN that never comes sits in watches: etcd's count of reads stays
     flat (only lease keep-alives go on). Then kill -9: the job's keys expire with its lease."""

@@ -11,7 +11,7 @@ import time
 import pytest
 from etcd_fixtures import free_port
 
-from meshrun.rendezvous.api import RendezvousError, StoreLostError
+from meshrun.rendezvous.api import RendezvousError, StoreGoneError, StoreLostError
 from meshrun.rendezvous.etcd import EtcdOptions, EtcdStore, parse_endpoints
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,6 +133,30 @@ def test_the_job_lease_is_given_up_only_when_etcd_says_it_is_gone(etcd_server):
         assert store._lease_gone(gw)  # noqa: SLF001
     finally:
         store.close()
+
+
+def test_a_late_node_reads_how_the_job_ended_from_etcds_history(etcd_server):
+    """The job's last node out deletes its keys and revokes the lease; a node that was still
+    stopping its workers then finds them gone (StoreGoneError), and reads the state's last
+    value from etcd's history since the version it had read. Compacted history: nothing."""
+    late, last_out = store_at(etcd_server.endpoint), store_at(etcd_server.endpoint)
+    try:
+        seen = late.set_once("/meshrun/t/state", b"round 0").version
+        for value in (b"round 1", b"succeeded"):
+            current = last_out.get("/meshrun/t/state")
+            assert last_out.compare_and_set("/meshrun/t/state", current.version, value)[0]
+        assert late.last_value("/meshrun/t/state", seen) == b"succeeded"  # still there
+        last_out.delete_prefix("/meshrun/t/")
+        with pytest.raises(StoreGoneError, match="deleted them"):
+            late.set_once("/meshrun/t/x", b"1")  # bound to the revoked lease
+        assert late.last_value("/meshrun/t/state", seen) == b"succeeded"
+        assert late.last_value("/meshrun/t/state", 0) is None  # never read: nothing to say
+        revision = etcd_server.post("kv/range", {"key": "eA=="})["header"]["revision"]
+        etcd_server.post("kv/compaction", {"revision": revision})
+        assert late.last_value("/meshrun/t/state", seen) is None
+    finally:
+        late.close()
+        last_out.close()
 
 
 def test_wait_for_change_watches_instead_of_polling(etcd_server):
