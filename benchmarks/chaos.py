@@ -27,7 +27,9 @@ interface): a cut is a real partition. Elsewhere the nodes share 127.0.0.1 and n
 A node comes back only while the job runs (no scheduler restarts a node of a finished job).
 When the job has ended, the run's invariants are checked:
 
-- every node's last agent exited 0, and the last step trained is ``--steps``;
+- every node's last agent exited 0 (but a node whose agent the harness took away, by a kill,
+  a SIGTERM or a cut, while the job then ended before its return: its exit is the fault's),
+  and the last step trained is ``--steps``;
 - the loss at every step any attempt logged equals an uninterrupted one-process run's (same
   global batch: exact resume), within ``LOSS_TOL``;
 - the last round's restart count is the same on every node that ran it;
@@ -90,6 +92,7 @@ class Node:
     outputs: list[Path] = field(default_factory=list)
     agents: list[subprocess.Popen] = field(default_factory=list)
     back_at: float | None = None  # when a stopped agent is to come back (monotonic s)
+    left_out: bool = False  # the harness took its agent away and the job ended before its return
 
     @property
     def agent(self) -> subprocess.Popen | None:
@@ -283,12 +286,12 @@ class Job:
                 self.net.set_link(self.nodes[i].host, up=True)
                 del self.link_back[i]
                 node = self.nodes[i]
-                if not node.running() and node.back_at is None and not self.finished():
+                if not node.running() and node.back_at is None:
                     node.back_at = now  # its agent gave up during the cut: it comes back
         for node in self.nodes:
             if node.back_at is not None and now >= node.back_at:
                 if self.finished():
-                    node.back_at = None
+                    node.back_at, node.left_out = None, True
                 else:
                     self.start_agent(node)
         for i, at in list(self.etcd_back.items()):
@@ -393,7 +396,9 @@ def check(job: Job, reference: dict[int, float], run: Run) -> None:
     """The run's invariants; what broke goes to ``run.broken``."""
     for node in job.nodes:
         last = node.agent
-        if last is None or last.returncode != 0:
+        if node.left_out:  # a victim, not a survivor: its exit is the fault's (143, -9, 3)
+            run.notes.append(f"node {node.index} left out (the job ended before its return)")
+        elif last is None or last.returncode != 0:
             run.broken.append(f"node {node.index}'s last agent exited "
                               f"{None if last is None else last.returncode}")
     text = job.output()
