@@ -68,6 +68,7 @@ from etcd_fixtures import EtcdCluster, EtcdMember  # noqa: E402 - the tests' rea
 
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 TAG_ENV = "MESHRUN_CHAOS_TAG"
+RELINK_GRACE_S = 15.0  # after a cut, an agent that exits non-zero within this is brought back
 KINDS = ["kill-worker", "stop-worker", "kill-agent", "term-agent", "kill-etcd", "disk-full",
          "cut-link"]
 LOSS_TOL = 2e-3  # world sizes 1, 2, 3 add the gradient shares in different orders
@@ -93,6 +94,7 @@ class Node:
     agents: list[subprocess.Popen] = field(default_factory=list)
     back_at: float | None = None  # when a stopped agent is to come back (monotonic s)
     left_out: bool = False  # the harness took its agent away and the job ended before its return
+    relinked_at: float | None = None  # when its cut link came back (monotonic s)
 
     @property
     def agent(self) -> subprocess.Popen | None:
@@ -285,9 +287,16 @@ class Job:
             if now >= at:
                 self.net.set_link(self.nodes[i].host, up=True)
                 del self.link_back[i]
-                node = self.nodes[i]
-                if not node.running() and node.back_at is None:
-                    node.back_at = now  # its agent gave up during the cut: it comes back
+                self.nodes[i].relinked_at = now
+        for node in self.nodes:
+            # an agent that gave up because of a cut (etcd unreachable for read_timeout, 10 s;
+            # also a moment after the link is back: its last call's deadline) comes back
+            if node.relinked_at is not None and not node.running() and node.back_at is None:
+                if now - node.relinked_at < RELINK_GRACE_S and node.agent.returncode != 0:
+                    node.back_at = now  # (left out below if the job ended meanwhile)
+                    node.relinked_at = None
+                elif now - node.relinked_at >= RELINK_GRACE_S:
+                    node.relinked_at = None
         for node in self.nodes:
             if node.back_at is not None and now >= node.back_at:
                 if self.finished():
@@ -480,8 +489,10 @@ def soak(seed: int, n_faults: int, steps: int, reference: dict[int, float], work
             time.sleep(0.05)
         if plan:
             run.notes.append(f"{len(plan)} fault(s) not injected: the job ended first")
-        while not job.all_exited():
-            job.tick()
+        while True:
+            job.tick()  # before the end is judged: an agent that just gave up may come back
+            if job.all_exited():
+                break
             if time.monotonic() - began > deadline_s:
                 run.broken.append(f"the job did not end within {deadline_s:.0f} s")
                 raise _Abort
