@@ -9,11 +9,9 @@ each step's loss equals one process training on the whole global batch."""
 from __future__ import annotations
 
 import re
-import signal
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.faults.test_elastic_in_place import (
@@ -21,16 +19,18 @@ from tests.faults.test_elastic_in_place import (
     EXAMPLE,
     KILL_AFTER,
     TRAIN,
+    Node,
     _env,
     _same_curve,
+    _wait,
     expected,  # noqa: F401 - the reference curve, a fixture
 )
 
 PORT = 29417  # inside namespace A only
 
 
-class NsNode:
-    """One agent inside a namespace; its output in ``<tmp>/<name>.out``."""
+class NsNode(Node):
+    """One agent inside a namespace; its output in ``<tmp>/<name>.out`` (the rest as `Node`)."""
 
     def __init__(self, pair, host, tmp: Path, name: str, job: str, nproc: int,
                  is_host: bool):
@@ -45,33 +45,6 @@ class NsNode:
         with open(self.out, "w") as out:
             self.proc = pair.popen(host, argv, env=_env(GLOO_SOCKET_IFNAME=host.ifname),
                                    cwd=tmp, stdout=out, stderr=out)
-
-    def text(self) -> str:
-        return self.out.read_text()
-
-    def kill(self) -> None:
-        try:
-            agent = psutil.Process(self.proc.pid)
-            victims = [agent, *agent.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            victims = []
-        for p in victims:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.wait(10)
-
-
-def _wait(predicate, what: str, timeout: float, nodes) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {n.name} ---\n{n.text()}" for n in nodes)
-            raise AssertionError(f"{what} did not happen in {timeout} s\n{logs}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(150)
