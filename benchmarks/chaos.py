@@ -291,12 +291,11 @@ class Job:
         for node in self.nodes:
             # an agent that gave up because of a cut (etcd unreachable for read_timeout, 10 s;
             # also a moment after the link is back: its last call's deadline) comes back
-            if node.relinked_at is not None and not node.running() and node.back_at is None:
-                if now - node.relinked_at < RELINK_GRACE_S and node.agent.returncode != 0:
-                    node.back_at = now  # (left out below if the job ended meanwhile)
-                    node.relinked_at = None
-                elif now - node.relinked_at >= RELINK_GRACE_S:
-                    node.relinked_at = None
+            if node.relinked_at is None or node.running() or node.back_at is not None:
+                continue
+            if now - node.relinked_at < RELINK_GRACE_S and node.agent.returncode != 0:
+                node.back_at = now  # (left out below if the job ended meanwhile)
+            node.relinked_at = None
         for node in self.nodes:
             if node.back_at is not None and now >= node.back_at:
                 if self.finished():

@@ -271,15 +271,14 @@ class Agent:
         except _Stopped as e:  # no workers ran (during rendezvous)
             say(f"received {signal.Signals(e.signum).name} during rendezvous; exiting")
             return 128 + e.signum
-        except StoreGoneError as e:  # etcd: perhaps the others finished without this node
-            finished = rdzv.finished_without_this_node() if rdzv is not None else None
-            if finished is None:
-                say(f"error: rendezvous failed: {e}")
-                return EXIT_RENDEZVOUS
-            say(f"the job finished without this node ({finished}): its other nodes succeeded "
-                "in a round this node was not in; exiting")  # fmt: skip
-            return EXIT_OK
         except RendezvousError as e:
+            # etcd: the job's keys gone may mean that the others finished without this node
+            if isinstance(e, StoreGoneError) and rdzv is not None and (
+                (finished := rdzv.finished_without_this_node()) is not None
+            ):
+                say(f"the job finished without this node ({finished}): its other nodes "
+                    "succeeded in a round this node was not in; exiting")  # fmt: skip
+                return EXIT_OK
             say(f"error: rendezvous failed: {e}")
             return EXIT_RENDEZVOUS
         except ConfigError as e:

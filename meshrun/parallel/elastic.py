@@ -205,10 +205,10 @@ class _OfferWatch:
             if offer is None:
                 continue
             if seen_at is None:
-                seen_at = time.monotonic()
+                seen_at, grace = time.monotonic(), self.GRACE_S
                 deadline = offer.get("deadline_s")
-                grace = min(self.GRACE_S, float(deadline) / 4 if isinstance(
-                    deadline, (int, float)) else self.GRACE_S)
+                if isinstance(deadline, (int, float)):
+                    grace = min(grace, deadline / 4)
             elif time.monotonic() - seen_at >= grace:
                 shut_down_world_sockets()
                 return

@@ -282,7 +282,11 @@ class Rendezvous:
     # -- state -------------------------------------------------------------------------------
     def read_state(self) -> tuple[JobState, int]:
         """The job state and its version (0 before anyone wrote it)."""
-        item = self.store.get(state_key(self._prefix))
+        return self._state_of(self.store.get(state_key(self._prefix)))
+
+    def _state_of(self, item: Versioned | None) -> tuple[JobState, int]:
+        """The job state read as ``item`` and its version; remembers the latest version read
+        (where `finished_without_this_node` looks back from)."""
         if item is None:
             return JobState(), 0
         self._state_seen = max(self._state_seen, item.version)
@@ -361,10 +365,7 @@ class Rendezvous:
     def _read_round(self, round: int) -> tuple[tuple[JobState, int], Versioned | None]:
         """The job state with its version, and round ``round``'s ``closed`` key: one read."""
         item, closed = self.store.get_many([state_key(self._prefix), self._round_key(round, "closed")])
-        if item is None:
-            return (JobState(), 0), closed
-        self._state_seen = max(self._state_seen, item.version)
-        return (JobState.from_json(item.value), item.version), closed
+        return self._state_of(item), closed
 
     def _wait_for_close(
         self, target: int, known: tuple[JobState, int] | None = None
