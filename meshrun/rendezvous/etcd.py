@@ -379,15 +379,30 @@ class EtcdStore(Store):
         mod_revision when this client read it) replays the key's writes since, up to its
         delete. A late node whose job's keys the last node out deleted reads there how the
         job ended (etcd keeps the history until a compaction; etcd's own clients resume
-        watches the same way). None when the history was compacted past that revision or
-        the stream broke before the key's end; then nothing can be said."""
+        watches the same way). Each watch goes to a member that answers a plain read first
+        (`Gateway.call`: fail-over, and a fresh token where the idle one expired); a stream
+        that breaks is tried on the next member. None when the history was compacted past
+        that revision, or no member serves it; then nothing can be said."""
         if since_version <= 0:
             return None
         version, start, last = 0, since_version, None
+        broken, checked = 0, False
         for _ in range(_HISTORY_EVENTS):
+            if not checked:  # first, and after a broken stream
+                try:
+                    self._gw.call("kv/range", {"key": b64(key), "count_only": True})
+                except RendezvousError:
+                    return None
+                checked = True
             changed, item, revision = self._gw.watch(key, version, start, _HISTORY_WAIT_S)
-            if not changed:  # no later write (the key still exists), or a broken stream
-                return last if revision >= 0 else None
+            if not changed:
+                if revision >= 0:
+                    return last  # no later write: the key still exists
+                broken += 1  # the stream broke (the member failed over) or was compacted
+                if broken >= len(self._gw.clients):
+                    return None
+                checked = False
+                continue
             if item is None:
                 return last  # deleted: what it held before
             last, version, start = item.value, item.version, revision + 1

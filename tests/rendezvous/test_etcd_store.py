@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from etcd_fixtures import free_port
+from etcd_fixtures import EtcdCluster, free_port
 
 from meshrun.rendezvous.api import RendezvousError, StoreGoneError, StoreLostError
 from meshrun.rendezvous.etcd import EtcdOptions, EtcdStore, parse_endpoints
@@ -157,6 +157,24 @@ def test_a_late_node_reads_how_the_job_ended_from_etcds_history(etcd_server):
     finally:
         late.close()
         last_out.close()
+
+
+def test_the_history_is_read_with_a_fresh_token_from_a_member_that_answers(tmp_path):
+    """The late node's connection sat idle while its workers stopped: its auth token may have
+    expired, and the member it last used may be gone. The history is still read (both broke
+    the first version: None, so exit 3 on a job that succeeded; a breaker's finding)."""
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    try:
+        cluster.enable_auth("meshrun", "s3cret")
+        store = store_at(cluster.endpoints, user="meshrun", password="s3cret", insecure="true")
+        seen = store.set_once("/meshrun/t/state", b"succeeded").version
+        store.delete_prefix("/meshrun/t/")
+        store._gw.session.headers["Authorization"] = "stale.token"  # noqa: SLF001 - expired
+        cluster.members[store._gw.current].kill()  # noqa: SLF001 - the member it last used
+        assert store.last_value("/meshrun/t/state", seen) == b"succeeded"
+        store.close()
+    finally:
+        cluster.stop()
 
 
 def test_wait_for_change_watches_instead_of_polling(etcd_server):
