@@ -363,36 +363,29 @@ def bottleneck_bubble(name, ranks, i, sim):
     """(replayed bubble, formula bubble) of step i's bottleneck rank (the one with most work).
 
     The replayed one is ``1 - busy_b / makespan`` from ``sim``; the formula's is the textbook
-    or `zero_bubble_formula` fraction at the bottleneck rank's own mean costs (B = W), that is
-    the paper's analysis of a pipeline whose every stage costs what the bottleneck's does."""
+    or `zero_bubble_formula` fraction at the bottleneck rank's own mean F, B and W (stage 0's
+    backward counted as B = W), that is the paper's analysis of a pipeline whose every stage
+    costs what the bottleneck's does."""
     from meshrun.parallel.pipelining import bubble_formula, zero_bubble_formula
 
     b = max(sim.busy, key=sim.busy.get)
     v = SCHEDULES[name][0]
     if name not in SPLIT:
         return 1 - sim.busy[b] / sim.makespan, bubble_formula(P, N_MICRO, v)
-    forwards = [c[3] for c in ranks[b]["costs"][i] if c[1] == "F"]
-    forward = statistics.mean(forwards)
-    half = (sim.busy[b] / len(forwards) - forward) / 2  # mean (B + W) / 2 per stage microbatch
+    costs = {kind: [] for kind in "FBW"}
+    backward = {}  # stage 0's (B + W) per microbatch: its B is empty, its W the whole backward
+    for s, kind, m, d in ranks[b]["costs"][i]:
+        if s == 0 and kind != "F":
+            backward[m] = backward.get(m, 0.0) + d
+        else:
+            costs[kind].append(d)
+    for d in backward.values():  # counted as B = W, which leaves the timeline as it is
+        costs["B"].append(d / 2)
+        costs["W"].append(d / 2)
+    mean = {kind: statistics.mean(values) for kind, values in costs.items()}
     return 1 - sim.busy[b] / sim.makespan, zero_bubble_formula(
-        name.lower(), P, N_MICRO, forward=forward, backward_input=half, weight=half)
-
-
-def b_as_f(ranks, i):
-    """Step i's costs with each B costing its microbatch's F and W the rest of B + W (>= 0):
-    the paper's F = B assumption, the stage's total work kept (for ZB-V's last column)."""
-    out = []
-    for r in ranks:
-        cost = {(s, kind, m): d for s, kind, m, d in r["costs"][i]}
-        step = []
-        for (s, kind, m), d in cost.items():
-            if kind == "B":
-                d = cost[(s, "F", m)]
-            elif kind == "W":
-                d = max(0.0, cost[(s, "B", m)] + d - cost[(s, "F", m)])
-            step.append((s, kind, m, d))
-        out.append({**r, "costs": {i: step}})
-    return out
+        name.lower(), P, N_MICRO, forward=mean["F"], backward_input=mean["B"],
+        weight=mean["W"])
 
 
 def schedule_bubble(name, ranks, i):
@@ -445,7 +438,6 @@ def main():
         overheads = {lib: [] for lib in LIBS}
         necks = {lib: [] for lib in LIBS}  # the bottleneck rank's replayed bubble, per step
         neck_formulas = {lib: [] for lib in LIBS}  # the formula at that rank's costs
-        necks_b_as_f = {lib: [] for lib in LIBS}  # ZB-V: their ratio with B costing F
         rss = {lib: 0.0 for lib in LIBS}
         formulas = []
         for _ in range(args.rounds):
@@ -462,11 +454,6 @@ def main():
                     neck, neck_formula = bottleneck_bubble(name, ranks, i, sim)
                     necks[lib].append(neck)
                     neck_formulas[lib].append(neck_formula)
-                    if name == "ZBV":
-                        equal = b_as_f(ranks, i)
-                        a, f = bottleneck_bubble(name, equal, i,
-                                                 schedule_bubble(name, equal, i)[2])
-                        necks_b_as_f[lib].append(a / f)
                     overheads[lib].append(pipe - makespan)
                 rss[lib] = max(rss[lib], *(r["rss_mib"] for r in ranks))
                 formulas.append(formula_bubble(name, ranks, args.steps))
@@ -488,10 +475,7 @@ def main():
               f"{cpu['meshrun'] / cpu['torch']:.3f}x | {rss['meshrun'] / rss['torch']:.3f}x | | "
               f"{sched['meshrun'] / sched['torch']:.3f}x | sched/formula: "
               f"{sched['meshrun'] / formula:.2f} (torch {sched['torch'] / formula:.2f}) | | "
-              f"sched/formula: {neck['meshrun']:.2f} (torch {neck['torch']:.2f})"
-              + ("; with B = F: {:.2f} (torch {:.2f})".format(
-                  *(statistics.median(necks_b_as_f[lib]) for lib in LIBS[::-1]))
-                 if name == "ZBV" else "") + " | |")
+              f"sched/formula: {neck['meshrun']:.2f} (torch {neck['torch']:.2f}) | |")
 
 
 if __name__ == "__main__":

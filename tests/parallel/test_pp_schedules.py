@@ -3,6 +3,7 @@ lists, the validator's verdicts, the simulator's bubble and memory against the f
 stage split, and the runtime itself on a pipeline of one rank (every stage local)."""
 
 import copy
+import random
 
 import pytest
 import torch
@@ -360,6 +361,38 @@ def test_zbv_bubble_is_only_the_pipe_filling(p, m):
     ofob = simulate(one_f_one_b_order(p, m), forward=2.0, backward=4.0)
     assert sim.makespan - 6 * m == pytest.approx((ofob.makespan - 6 * m) / 6)
     assert max(sim.peak_activations.values()) == 2 * p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_zbv_formula_with_unequal_chunk_costs(seed):
+    """ZB-V with a chunk's B dearer than its F: the formula's idle ``(p - 1) max(t_F, t_B)``
+    (rank p - 1's forced waits) against the simulator, seeded random costs. Exact where the
+    docstring says (t_F <= t_B, t_B / 2 <= t_W <= t_B); a lower bound anywhere else, and not
+    exact there (a B cheaper than its F costs more idle), so the region is no wider than
+    claimed."""
+    rng = random.Random(seed)
+    exact = below = 0
+    for _ in range(40):
+        p, f = rng.randint(2, 6), rng.uniform(0.5, 2.0)
+        m = rng.randint(2 * p - 1, 4 * p)
+        if rng.random() < 0.5:  # inside the region
+            b = f * rng.uniform(1.0, 1.6)
+            w = b * rng.uniform(0.5, 1.0)
+        else:  # anywhere
+            b, w = rng.uniform(0.2, 3.0), rng.uniform(0.05, 3.0)
+        sim = simulate(zbv_order(p, m), 2 * p, forward=f, backward=b + w, weight=w)
+        work = 2 * m * (f + b + w)
+        formula = zero_bubble_formula("zbv", p, m, forward=f, backward_input=b, weight=w)
+        assert formula == pytest.approx((p - 1) * max(f, b) / (work + (p - 1) * max(f, b)))
+        assert sim.makespan >= work + (p - 1) * max(f, b) - 1e-9
+        if f <= b and b / 2 <= w <= b:
+            assert sim.makespan == pytest.approx(work + (p - 1) * max(f, b), abs=1e-9)
+            assert sim.bubble_fraction == pytest.approx(formula, abs=1e-12)
+            exact += 1
+        elif p > 2 and b < 0.9 * f:  # a cheap B: other ranks wait too
+            assert sim.makespan > work + (p - 1) * f + 1e-6
+            below += 1
+    assert exact >= 10 and below >= 1  # both branches ran
 
 
 def test_simulator_splits_costs_only_where_the_order_splits():

@@ -17,7 +17,8 @@ Megatron-LM", 2021):
   (input gradient, ``t_b - t_w``) and W (weight gradient, ``t_w``). ZB-H1 (F, B, W of a stage
   costing ``t_f, t_B, t_w``, ``t_w <= t_f``): makespan ``m (t_f + t_B + t_w) + (p - 1)(t_f +
   t_B - t_w)``; with all three equal the bubble time is a third of 1F1B's. ZB-V (chunk costs
-  all equal to t): makespan ``(6 m + p - 1) t``. See `zero_bubble_formula`.
+  all equal to t): makespan ``(6 m + p - 1) t``; with a chunk's B dearer than its F,
+  ``2 m (t_f + t_B + t_w) + (p - 1) t_B``. See `zero_bubble_formula`.
 
 Activation memory: a microbatch's activations live on a stage from its forward to its
 backward (to its W when the backward is split: W still needs the layer inputs);
@@ -149,17 +150,30 @@ def zero_bubble_formula(schedule: str, num_ranks: int, n_microbatches: int, *,
 
     ZB-H1 (Qi et al., ICLR 2024, section 2.1; needs ``t_W <= t_F``): bubble time
     ``(p - 1)(t_F + t_B - t_W)`` against 1F1B's ``(p - 1)(t_F + t_B + t_W)``, so the fraction
-    is ``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``. ZB-V
-    (section 6; exact for equal chunk costs): each rank idles only while the pipe fills with
-    one chunk forward per rank, ``(p - 1) t_F``, against ``2 m (t_F + t_B + t_W)`` of work; the
-    paper rounds this to zero. Raises ValueError for another schedule name.
+    is ``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``.
+
+    ZB-V (section 6 gives only ``t_F = t_B = t_W``, and rounds the bubble to zero): each rank
+    works ``2 m (t_F + t_B + t_W)`` and idles ``(p - 1) max(t_F, t_B)``. The idle time is what
+    rank p - 1, the bottom of the V (stages p - 1 and p), cannot avoid: its first forward
+    waits for p - 1 chunk forwards, ``(p - 1) t_F``; after its 2p warm-up forwards (busy until
+    ``(3p - 1) t_F``) its first backward, stage p's B of microbatch 0, waits for that
+    microbatch's forward through all 2p chunks and its B back through the p - 1 chunks above,
+    ``2p t_F + (p - 1) t_B``: ``(p - 1)(t_B - t_F)`` more when ``t_B > t_F``. So this is a
+    lower bound for any chunk costs, and the V's steady state then keeps that rank busy to the
+    end, which makes it exact (the makespan is ``2 m (t_F + t_B + t_W) + (p - 1) max(t_F,
+    t_B)``) when ``t_F <= t_B`` and ``t_B / 2 <= t_W <= t_B`` (any ``t_W >= t_B / 2`` for
+    p = 2): checked against `simulate` with seeded random costs in
+    ``tests/parallel/test_pp_schedules.py``. Outside that region other ranks wait too (a B
+    cheaper than its F, too little W to fill the V's gaps, or a W much dearer than its B)
+    and the formula is below the simulator's bubble. Raises ValueError for another schedule
+    name.
     """
     p, m = num_ranks, n_microbatches
     f, b, w = forward, backward_input, weight
     if schedule == "zbh1":
         idle, work = (p - 1) * (f + b - w), m * (f + b + w)
     elif schedule == "zbv":
-        idle, work = (p - 1) * f, 2 * m * (f + b + w)
+        idle, work = (p - 1) * max(f, b), 2 * m * (f + b + w)
     else:
         raise ValueError(f"zero_bubble_formula: schedule must be 'zbh1' or 'zbv' (got "
                          f"{schedule!r})")
