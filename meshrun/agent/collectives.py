@@ -50,6 +50,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,7 +103,7 @@ class Recorder:
         self._done = threading.Event()
         self._last = b""
         self._names: dict[str, str] = {}  # group name -> its member ranks ("0-3")
-        self._live: set[tuple[int, str]] = set()  # the groups at the last look
+        self._live: list[weakref.ref] = []  # the groups at the last look
         self._seen = -1  # the newest ring entry (record_id) at the last look
         self._cutoff = -1  # entries up to this one belong to destroyed groups
         self._thread = threading.Thread(target=self._run, name="meshrun-collective-record",
@@ -165,12 +166,14 @@ class Recorder:
         A group destroyed since the last look (``destroy_process_group()``, then perhaps a new
         ``init_process_group``, whose default group is named "0" again) ends the old calls:
         the ring outlives the groups, so its entries up to the last look are left out from
-        then on (``self._cutoff``), and the member lists are found again."""
+        then on (``self._cutoff``), and the member lists are found again. The groups are
+        remembered by weak reference: a new group may take a destroyed one's address, so an
+        ``id()`` would call it the same group (a flake in CI: the old calls stayed)."""
         world = dist.distributed_c10d._world
-        live = {(id(pg), name) for pg, name in list(world.pg_names.items())}
-        if self._live - live:
+        groups = list(world.pg_names)
+        if any(ref() is None or all(ref() is not pg for pg in groups) for ref in self._live):
             self._cutoff, self._names = self._seen, {}
-        self._live = live
+        self._live = [weakref.ref(pg) for pg in groups]
         self._seen = max((int(e.get("record_id", -1)) for e in ring.get("entries", [])),
                          default=self._seen)  # fmt: skip
         for pg, name in list(world.pg_names.items()):

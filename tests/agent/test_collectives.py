@@ -308,3 +308,31 @@ def test_the_agent_waits_for_a_look_after_it_began_stopping(tmp_path, monkeypatc
     began = time.time()
     wait_current([tmp_path / "never-written.json"], began)
     assert INTERVAL_S + 0.3 <= time.time() - began < INTERVAL_S + 1.0
+
+
+def test_a_new_group_at_a_destroyed_groups_address_ends_the_old_calls():
+    """CPython hands a freed object's address to the next one of its size, so a group made
+    right after another was destroyed may have its ``id()``: the recorder must still see the
+    old group gone (CI once kept a destroyed group's calls this way). Groups here are plain
+    objects in a stand-in of torch's ``_world``, so the address is reused on purpose."""
+    from types import SimpleNamespace
+
+    class Group:  # weakly referenceable, as torch's ProcessGroup is
+        pass
+
+    world = SimpleNamespace(pg_names={})
+    dist = SimpleNamespace(distributed_c10d=SimpleNamespace(_world=world),
+                           get_process_group_ranks=lambda pg: [0])  # fmt: skip
+    ring = {"entries": [{"record_id": 0}, {"record_id": 1}]}
+    recorder = Recorder("unused")
+    old = Group()
+    world.pg_names = {old: "0"}
+    recorder._group_ranks(dist, ring)
+    address = id(old)
+    world.pg_names = {}
+    del old
+    new = Group()
+    assert id(new) == address, "the allocator did not reuse the address: the case is not made"
+    world.pg_names = {new: "0"}
+    recorder._group_ranks(dist, {"entries": ring["entries"] + [{"record_id": 2}]})
+    assert recorder._cutoff == 1
