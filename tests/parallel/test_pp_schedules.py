@@ -608,3 +608,26 @@ def test_a_failed_zero_bubble_step_restores_the_fsdp_switches():
     assert (module.sync, module.reshard) == (True, True)
     with pytest.raises(RuntimeError, match="an earlier step failed midway"):
         schedule.step(torch.randn(8, 2), target=torch.randn(8, 2))
+
+
+@pytest.mark.parametrize("args, kwargs, named", [
+    (("zbv", 0, 8), {}, "num_ranks"),
+    (("zbh1", 2, 0), {}, "n_microbatches"),
+    (("zbh1", 2.0, 4), {}, "num_ranks"),
+    (("zbv", 2, 4), {"forward": -1.0}, "forward"),
+    (("zbv", 2, 4), {"weight": float("nan")}, "weight"),
+    (("zbh1", 2, 4), {"backward_input": float("inf")}, "backward_input"),
+    (("zbv", 2, 4), {"forward": 0, "backward_input": 0, "weight": 0}, "all 0"),
+    (("1f1b", 2, 4), {}, "schedule"),
+])
+def test_zero_bubble_formula_refuses_what_has_no_bubble(args, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        zero_bubble_formula(*args, **kwargs)
+
+
+def test_formulas_of_one_rank_have_no_bubble():
+    assert bubble_formula(1, 4) == 0
+    assert zero_bubble_formula("zbh1", 1, 4) == 0
+    assert zero_bubble_formula("zbv", 1, 1, forward=2.0, backward_input=3.0, weight=0) == 0
+    with pytest.raises(ValueError, match="chunks_per_rank"):
+        bubble_formula(2, 4, 0)

@@ -28,6 +28,7 @@ backward (to its W when the backward is split: W still needs the layer inputs);
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -132,8 +133,10 @@ def peak_activations(order: Order) -> dict[int, int]:
 
 
 def bubble_formula(num_ranks: int, n_microbatches: int, chunks_per_rank: int = 1) -> float:
-    """The textbook bubble fraction ``(p - 1) / (v m + p - 1)`` (v = 1: GPipe and 1F1B)."""
+    """The textbook bubble fraction ``(p - 1) / (v m + p - 1)`` (v = 1: GPipe and 1F1B).
+    Raises ValueError unless p, m and v are positive integers."""
     p, m, v = num_ranks, n_microbatches, chunks_per_rank
+    _check_counts("bubble_formula", num_ranks=p, n_microbatches=m, chunks_per_rank=v)
     return (p - 1) / (v * m + p - 1)
 
 
@@ -166,10 +169,20 @@ def zero_bubble_formula(schedule: str, num_ranks: int, n_microbatches: int, *,
     ``tests/parallel/test_pp_schedules.py``. Outside that region other ranks wait too (a B
     cheaper than its F, too little W to fill the V's gaps, or a W much dearer than its B)
     and the formula is below the simulator's bubble. Raises ValueError for another schedule
-    name.
+    name, a p or m that is not a positive integer, or a cost that is negative or not finite
+    (or all three zero).
     """
     p, m = num_ranks, n_microbatches
     f, b, w = forward, backward_input, weight
+    _check_counts("zero_bubble_formula", num_ranks=p, n_microbatches=m)
+    costs = {"forward": f, "backward_input": b, "weight": w}
+    for name, value in costs.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"zero_bubble_formula: {name} must be a finite cost >= 0 "
+                             f"(got {value!r})")
+    if f + b + w == 0:
+        raise ValueError("zero_bubble_formula: forward, backward_input and weight are all 0; "
+                         "give the measured cost of at least one")
     if schedule == "zbh1":
         idle, work = (p - 1) * (f + b - w), m * (f + b + w)
     elif schedule == "zbv":
@@ -178,6 +191,12 @@ def zero_bubble_formula(schedule: str, num_ranks: int, n_microbatches: int, *,
         raise ValueError(f"zero_bubble_formula: schedule must be 'zbh1' or 'zbv' (got "
                          f"{schedule!r})")
     return idle / (work + idle)
+
+
+def _check_counts(where: str, **counts) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive integer (got {value!r})")
 
 
 def _per_stage(value: Cost, num_stages: int, what: str) -> list[float]:
