@@ -40,32 +40,30 @@ Two bubbles, medians over steps, both from those compute times (busy_r: rank r's
   runs the standard warm-up / 1F1B / cool-down). This is the bubble of the schedule itself,
   including any imbalance between stages and between F and B; it is what the formula
   ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs. For ZB-H1 and ZB-V the formula
-  column is `zero_bubble_formula` at this run's mean F and mean B + W, with B = W (the
-  paper's analysis; ZB-H1: ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))``, ZB-V: ``(p-1)F /
-  (2m(F+B+W) + (p-1)F)`` in chunk costs; with B = W both leave ``(p-1)F`` idle). Not the
-  measured B and W means: stage 0's B is empty (nothing needs its input's gradient) and its
-  W is its whole backward, which leaves the timeline as it is with B = W (the schedules put
-  stage 0's W right after its B) but would make the means meaningless. ``sched / formula``
-  then says how far the timeline under real, unequal costs is from the paper's analysis. Actions of equal size still
-  vary from call to call here (two ranks share the memory system of a 2-core VM), and a
-  varying cost on the critical path lengthens it, so this bubble sits a little above the
-  formula even for a balanced model.
+  column is `zero_bubble_formula` at this run's mean F, B and W over all ranks (ZB-H1:
+  ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))``, the paper's; ZB-V: ``(p-1) max(F, B) /
+  (2m(F+B+W) + (p-1) max(F, B))`` in chunk costs, the V's forced waits on rank p - 1, which
+  the paper's F = B = W case leaves at ``(p-1)F``). Stage 0's B is empty (nothing needs its
+  input's gradient) and its W is its whole backward, so its backward is counted as B = W
+  (which leaves the timeline as it is: the schedules put stage 0's W right after its B).
+  ``sched / formula`` then says how far the timeline under real, unequal costs is from the
+  analysis. Actions of equal size still vary from call to call here (two ranks share the
+  memory system of a 2-core VM), and a varying cost on the critical path lengthens it, so
+  this bubble sits a little above the formula even for a balanced model.
 
 The model is balanced in blocks, not in work: stage 0 computes no input gradient (its first
 block's dX is never needed) and the last stage adds the loss, so with the backward split the
 ranks' totals differ by 5-7 % (medians, CPU clock: ZB-H1 rank 0 31.7 ms per microbatch, rank
 1 33.6 ms). ``bubble sched`` counts the lighter rank's idle time, which no order can remove,
 and the formula at the mean costs does not, so their ratio (1.3-1.7) measures the imbalance,
-not the schedule. The fair comparison, in ``bottleneck sched`` / ``bottleneck formula``, is
-that of the rank with the most work in the step (the one that sets the step time):
-``1 - busy_b / makespan`` of the replay against the formula's fraction at that rank's own
-mean costs (`bubble_formula`, or `zero_bubble_formula` with its mean F and B = W = (B + W) /
-2 per stage microbatch), i.e. the paper's analysis of a pipeline whose every stage costs
-what the bottleneck's does; the ratio row gives their per-step ratio (median). For ZB-V it
-also gives that ratio with each B replayed at its microbatch's F cost and W the rest (the
-paper's F = B): a chunk's B here costs 8-10 % more than its F, and one B lies on the path
-that fills the V (rank p-1 waits for the last stage's F and B while it runs two chunk
-forwards), which the formula, derived for F = B = W, does not count.
+not the schedule. (Which rank is the heavier one varies from run to run, and the heavier
+rank's own idle fraction is not the formula's either: in ZB-V, rank p - 1 takes the forced
+waits, and a heavier rank 0 idles less.) The comparison for the schedule is therefore
+``balanced sched`` / ``balanced formula`` (`balanced_bubble`): the step replayed with each
+action at the mean cost of its kind and microbatch over the stages, so every stage costs the
+same while F, B and W keep their measured ratios and microbatches their own costs, against
+the formula at that step's mean F, B and W; the ratio row gives their per-step ratio
+(median).
 
 ``--clock cpu`` times each action with ``time.thread_time`` (the CPU time of the rank's main
 thread, where both libraries compute) instead of the wall clock: on a machine loaded by other
@@ -345,51 +343,73 @@ def order_of(name):
     return interleaved_1f1b_order(P, N_MICRO, v), P * v
 
 
-def formula_bubble(name, ranks, steps):
-    """The formula's bubble; for ZB-H1 and ZB-V at this run's mean F and B + W, B = W."""
-    v = SCHEDULES[name][0]
-    if name not in SPLIT:
-        return (P - 1) / (v * N_MICRO + P - 1)
-    from meshrun.parallel.pipelining import zero_bubble_formula
-
-    mean = {kind: statistics.mean(c[3] for r in ranks for i in range(steps)
-                                  for c in r["costs"][i] if c[1] == kind) for kind in "FBW"}
-    half = (mean["B"] + mean["W"]) / 2
-    return zero_bubble_formula(name.lower(), P, N_MICRO, forward=mean["F"],
-                               backward_input=half, weight=half)
-
-
-def bottleneck_bubble(name, ranks, i, sim):
-    """(replayed bubble, formula bubble) of step i's bottleneck rank (the one with most work).
-
-    The replayed one is ``1 - busy_b / makespan`` from ``sim``; the formula's is the textbook
-    or `zero_bubble_formula` fraction at the bottleneck rank's own mean F, B and W (stage 0's
-    backward counted as B = W), that is the paper's analysis of a pipeline whose every stage
-    costs what the bottleneck's does."""
-    from meshrun.parallel.pipelining import bubble_formula, zero_bubble_formula
-
-    b = max(sim.busy, key=sim.busy.get)
-    v = SCHEDULES[name][0]
-    if name not in SPLIT:
-        return 1 - sim.busy[b] / sim.makespan, bubble_formula(P, N_MICRO, v)
+def mean_costs(steps):
+    """Mean F, B and W (seconds) of the stage calls in ``steps`` (a list, per step, of
+    ``(stage, kind, microbatch, seconds)``). Stage 0's B is empty (nothing needs its input's
+    gradient) and its W is its whole backward; that backward is counted half as B and half as
+    W, which leaves the timeline as it is (the schedules put stage 0's W right after its B)."""
     costs = {kind: [] for kind in "FBW"}
-    backward = {}  # stage 0's (B + W) per microbatch: its B is empty, its W the whole backward
-    for s, kind, m, d in ranks[b]["costs"][i]:
-        if s == 0 and kind != "F":
-            backward[m] = backward.get(m, 0.0) + d
-        else:
-            costs[kind].append(d)
-    for d in backward.values():  # counted as B = W, which leaves the timeline as it is
+    backward = {}  # (step, microbatch) -> stage 0's B + W
+    for i, calls in enumerate(steps):
+        for s, kind, m, d in calls:
+            if s == 0 and kind != "F":
+                backward[i, m] = backward.get((i, m), 0.0) + d
+            else:
+                costs[kind].append(d)
+    for d in backward.values():
         costs["B"].append(d / 2)
         costs["W"].append(d / 2)
-    mean = {kind: statistics.mean(values) for kind, values in costs.items()}
-    return 1 - sim.busy[b] / sim.makespan, zero_bubble_formula(
-        name.lower(), P, N_MICRO, forward=mean["F"], backward_input=mean["B"],
-        weight=mean["W"])
+    return {kind: statistics.mean(values) for kind, values in costs.items()}
+
+
+def formula_bubble(name, ranks, steps):
+    """The formula's bubble; for ZB-H1 and ZB-V at this run's mean F, B and W (`mean_costs`
+    over all ranks and steps)."""
+    from meshrun.parallel.pipelining import bubble_formula, zero_bubble_formula
+
+    v = SCHEDULES[name][0]
+    if name not in SPLIT:
+        return bubble_formula(P, N_MICRO, v)
+    mean = mean_costs([c for r in ranks for c in r["costs"][:steps]])
+    return zero_bubble_formula(name.lower(), P, N_MICRO, forward=mean["F"],
+                               backward_input=mean["B"], weight=mean["W"])
+
+
+def balanced_bubble(name, ranks, i):
+    """(replayed bubble, formula bubble) of step i with the stages' imbalance taken out.
+
+    Each action is replayed at the mean cost of its (kind, microbatch) over all stages (stage
+    0's backward counted as B = W, as in `mean_costs`), so every stage costs the same, as the
+    formulas assume, while F, B and W keep their measured ratios and each microbatch its own
+    cost. The formula is then `bubble_formula` or `zero_bubble_formula` at the step's mean F,
+    B and W: their ratio is the schedule's order against the analysis at these costs."""
+    from meshrun.parallel.pipelining import bubble_formula, simulate, zero_bubble_formula
+
+    order, n_stages = order_of(name)
+    per_call = {}  # (kind, microbatch) -> its costs over the stages
+    backward = {}  # microbatch -> stage 0's B + W
+    for r in ranks:
+        for s, kind, m, d in r["costs"][i]:
+            if name in SPLIT and s == 0 and kind != "F":
+                backward[m] = backward.get(m, 0.0) + d
+            else:
+                per_call.setdefault((kind, m), []).append(d)
+    for m, d in backward.items():
+        per_call.setdefault(("B", m), []).append(d / 2)
+        per_call.setdefault(("W", m), []).append(d / 2)
+    mean = {key: statistics.mean(values) for key, values in per_call.items()}
+    sim = simulate(order, n_stages, cost=lambda a: mean[(a.kind, a.microbatch)])
+    if name not in SPLIT:
+        return sim.bubble_fraction, bubble_formula(P, N_MICRO, SCHEDULES[name][0])
+    kinds = {kind: statistics.mean(d for (k, _), d in mean.items() if k == kind)
+             for kind in "FBW"}
+    return sim.bubble_fraction, zero_bubble_formula(
+        name.lower(), P, N_MICRO, forward=kinds["F"], backward_input=kinds["B"],
+        weight=kinds["W"])
 
 
 def schedule_bubble(name, ranks, i):
-    """(bubble, makespan, simulation) of step i replayed by `simulate` with its measured costs."""
+    """(bubble, makespan) of step i replayed by `simulate` with its measured costs."""
     from meshrun.parallel.pipelining import simulate
 
     order, n_stages = order_of(name)
@@ -400,7 +420,7 @@ def schedule_bubble(name, ranks, i):
                            f"{len(expected)} (one forward and one backward, and W where "
                            f"split, per stage and microbatch)")
     sim = simulate(order, n_stages, cost=lambda a: cost[(a.stage, a.kind, a.microbatch)])
-    return sim.bubble_fraction, sim.makespan, sim
+    return sim.bubble_fraction, sim.makespan
 
 
 def main():
@@ -428,7 +448,7 @@ def main():
           f"{shape.blocks} equal blocks of {shape.width}; action clock {args.clock}; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| schedule | library | ms/step | CPU ms/step | peak RSS MiB | bubble wall | "
-          "bubble sched | bubble formula | bottleneck sched | bottleneck formula | overhead ms/step |")
+          "bubble sched | bubble formula | balanced sched | balanced formula | overhead ms/step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.schedules:
         times = {lib: [] for lib in LIBS}
@@ -436,8 +456,8 @@ def main():
         walls = {lib: [] for lib in LIBS}
         scheds = {lib: [] for lib in LIBS}
         overheads = {lib: [] for lib in LIBS}
-        necks = {lib: [] for lib in LIBS}  # the bottleneck rank's replayed bubble, per step
-        neck_formulas = {lib: [] for lib in LIBS}  # the formula at that rank's costs
+        balanced = {lib: [] for lib in LIBS}  # the stage-balanced replay's bubble, per step
+        balanced_formulas = {lib: [] for lib in LIBS}  # the formula at that step's costs
         rss = {lib: 0.0 for lib in LIBS}
         formulas = []
         for _ in range(args.rounds):
@@ -449,11 +469,11 @@ def main():
                     pipe = max(r["pipe"][i] for r in ranks)
                     busy = sum(c[3] for r in ranks for c in r["costs"][i])
                     walls[lib].append(1 - busy / (P * pipe))
-                    bubble, makespan, sim = schedule_bubble(name, ranks, i)
+                    bubble, makespan = schedule_bubble(name, ranks, i)
                     scheds[lib].append(bubble)
-                    neck, neck_formula = bottleneck_bubble(name, ranks, i, sim)
-                    necks[lib].append(neck)
-                    neck_formulas[lib].append(neck_formula)
+                    even, even_formula = balanced_bubble(name, ranks, i)
+                    balanced[lib].append(even)
+                    balanced_formulas[lib].append(even_formula)
                     overheads[lib].append(pipe - makespan)
                 rss[lib] = max(rss[lib], *(r["rss_mib"] for r in ranks))
                 formulas.append(formula_bubble(name, ranks, args.steps))
@@ -466,16 +486,16 @@ def main():
                     else "-")  # both need action costs on the wall clock
             print(f"| {name} | {lib} | {ms[lib]:.1f} | {cpu[lib]:.1f} | {rss[lib]:.0f} | "
                   f"{wall} | {statistics.median(scheds[lib]):.3f} | {formula:.3f} | "
-                  f"{statistics.median(necks[lib]):.3f} | "
-                  f"{statistics.median(neck_formulas[lib]):.3f} | {over} |")
+                  f"{statistics.median(balanced[lib]):.3f} | "
+                  f"{statistics.median(balanced_formulas[lib]):.3f} | {over} |")
         sched = {lib: statistics.median(scheds[lib]) for lib in LIBS}
-        neck = {lib: statistics.median(a / f for a, f in zip(necks[lib], neck_formulas[lib],
-                                                            strict=True)) for lib in LIBS}
+        even = {lib: statistics.median(a / f for a, f in zip(
+            balanced[lib], balanced_formulas[lib], strict=True)) for lib in LIBS}
         print(f"| {name} | ratio meshrun/torch | {ms['meshrun'] / ms['torch']:.3f}x | "
               f"{cpu['meshrun'] / cpu['torch']:.3f}x | {rss['meshrun'] / rss['torch']:.3f}x | | "
               f"{sched['meshrun'] / sched['torch']:.3f}x | sched/formula: "
               f"{sched['meshrun'] / formula:.2f} (torch {sched['torch'] / formula:.2f}) | | "
-              f"sched/formula: {neck['meshrun']:.2f} (torch {neck['torch']:.2f}) | |")
+              f"sched/formula: {even['meshrun']:.2f} (torch {even['torch']:.2f}) | |")
 
 
 if __name__ == "__main__":
