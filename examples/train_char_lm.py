@@ -58,7 +58,11 @@ Recovery in place (``--elastic in-place``, ``--dp-mode ddp`` only for now): the 
 under ``meshrun.parallel.elastic.steps``; when a node is lost or joins, meshrun's agent hands
 the running workers the new round, they change world (the mesh and ddp rebuilt on the live
 model, the state agreed by broadcast) and retry the step, with the same global batch rule:
-no process restarts, no checkpoint is read, no step is lost (docs/faults.md).
+no process restarts, no checkpoint is read, no step is lost (docs/faults.md). With
+``--checkpoint-dir`` it also saves every ``--checkpoint-every`` steps (at the start of the
+step, in the foreground) and at the end, and a fresh worker reads the newest checkpoint on its
+own: when the whole group was restarted (a worker did not take the new world in time) it
+resumes there; a worker that joins ranks training in place takes their state instead.
 
 Files: this script (flags, checkpoints, the training loop); ``char_lm/model.py`` (the model),
 ``char_lm/data.py`` (windows, epochs, batches), ``char_lm/parallelize.py`` (the mesh and the
@@ -156,7 +160,8 @@ def parse_args(argv=None):
                    help="what a lost node costs: restart (the agent restarts every worker; "
                    "with --checkpoint-dir they resume from the newest checkpoint) or in-place "
                    "(meshrun.parallel.elastic: the survivors stay, change world and retry the "
-                   "step; --dp-mode ddp only, no --checkpoint-dir yet)")
+                   "step; --dp-mode ddp only; with --checkpoint-dir a group that restarts "
+                   "anyway resumes from the newest checkpoint)")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
     p.add_argument("--sleep-per-step", type=float, default=0.0, help="testing: seconds to "
                    "sleep after each step, so that a fault or a joining node lands mid-run")
@@ -182,9 +187,8 @@ def elastic_problem(args):
         return None
     if args.dp_mode != "ddp" or args.pp > 1 or args.tp > 1 or args.cp > 1 or args.dp:
         return "--elastic in-place: pure data parallelism with --dp-mode ddp only (for now)"
-    if args.checkpoint_dir or args.comm_hook != "none" or args.eval_every:
-        return ("--elastic in-place: not with --checkpoint-dir, --comm-hook or --eval-every "
-                "(for now)")
+    if args.comm_hook != "none" or args.eval_every:
+        return "--elastic in-place: not with --comm-hook or --eval-every (for now)"
     return None
 
 
@@ -391,11 +395,17 @@ def train_in_place(args, model, data, device):
     optimizer = make_optimizer(args, model.parameters())  # ddp keeps the same parameters
     global_batch = args.global_batch_size or args.batch_size * int(os.environ["WORLD_SIZE"])
     state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch}
+    if args.checkpoint_dir:  # a fresh worker: the whole group restarted, or it joins
+        resume_in_place(args, model, optimizer, state)
     n_windows = (len(data) - 1) // args.block_size
-    t0, first = time.perf_counter(), None
+    t0, first, par = time.perf_counter(), None, None
     for attempt in elastic.steps(state, args.steps, build=build):
         with attempt:
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
+            if args.checkpoint_dir and step % args.checkpoint_every == 0 and step > 0:
+                # at the step's start: a collective before any effect, decided by the agreed
+                # step alone (every rank saves, or none); a retried step saves it again
+                save_in_place(args, par, optimizer, state)
             first = step if first is None else first
             n_micro = check_batch(args, global_batch, par.dp_size)
             lr = set_learning_rate(optimizer, args, step)
@@ -418,6 +428,8 @@ def train_in_place(args, model, data, device):
                       flush=True)
             if args.sleep_per_step:
                 time.sleep(args.sleep_per_step)
+    if args.checkpoint_dir and par is not None:
+        save_in_place(args, par, optimizer, state)
     # replicas must be equal bit for bit, whoever joined or stayed on the way: all-gather them
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -428,6 +440,39 @@ def train_in_place(args, model, data, device):
               flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def resume_in_place(args, model, optimizer, state):
+    """Load the newest checkpoint under ``--checkpoint-dir`` into ``state`` on this rank alone.
+
+    Not a collective: a fresh worker does not know whether its peers load too (the whole
+    group restarted: the agent's in-place handover failed) or train on in place (it joins
+    them). `elastic.steps` then agrees on the state: the ranks that did the most steps
+    broadcast theirs, so a joiner takes the live state and a restarted group the
+    checkpoint's."""
+    from meshrun.parallel import checkpoint
+
+    path = checkpoint.latest(args.checkpoint_dir)
+    if path is None:
+        return
+    saved = {"model": checkpoint.model_state(model),
+             "optim": checkpoint.optimizer_state(optimizer, model), "step": 0,
+             "data": {"position": 0, "global_batch": 0}, "rng": torch.get_rng_state()}
+    checkpoint.load(saved, path, collective=False)
+    torch.set_rng_state(saved["rng"])
+    state.update(step=saved["step"], position=saved["data"]["position"],
+                 global_batch=saved["data"]["global_batch"])
+    if dist.get_rank() == 0:
+        print(f"resumed from step {saved['step']} ({path}); global batch "
+              f"{state['global_batch']}", flush=True)
+
+
+def save_in_place(args, par, optimizer, state):
+    """Save ``state`` (the current world's ``par``) as ``step_<state["step"]>``, in the
+    foreground: a background save would outlive the world it was started in."""
+    ckpt = checkpoint_state(par, optimizer, state["step"], state["position"],
+                            state["global_batch"])
+    save_checkpoint(args.checkpoint_dir, ckpt, state["step"])
 
 
 def set_learning_rate(optimizer, args, step):

@@ -134,8 +134,9 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
             error = e
             if lock is not None:
                 lock.release()
-    _agree(error, None)
+                lock = None
     try:
+        _agree(error, None)  # inside: a peer lost here must not leave the lock held
         # Each rank reads its state (and copies it, for a background write) before any of
         # DCP's collectives: a rank that fails here must not leave the others waiting.
         error = None
@@ -218,8 +219,9 @@ _group = None  # the background saves' own process group, made at the first
 
 
 @busy("checkpoint load")
-def load(state: dict, path: str | os.PathLike) -> None:
-    """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks.
+def load(state: dict, path: str | os.PathLike, *, collective: bool = True) -> None:
+    """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks
+    (unless ``collective`` is False).
 
     Tensors (and the blocks of `ModelState` / `OptimizerState`) are filled in place with the
     parts of the saved tensors they cover, whatever layout saved them; other values in
@@ -233,6 +235,10 @@ def load(state: dict, path: str | os.PathLike) -> None:
             it (relative) and their sizes (None: not a tensor), to make them.
         path: a checkpoint directory (e.g. ``latest(directory)``, after checking it is not
             None).
+        collective: False: this rank reads alone, with no process group involved (DCP's
+            ``no_dist``), for a worker whose peers may not be loading at the same time (a
+            fresh worker joining ranks that train on in place, `meshrun.parallel.elastic`).
+            Only for state that is whole on every rank (one process, ddp).
 
     Raises:
         FileNotFoundError: ``path`` is None, or holds no complete checkpoint.
@@ -262,7 +268,7 @@ def load(state: dict, path: str | os.PathLike) -> None:
                                        for k, md in metadata.state_dict_metadata.items()
                                        if k.startswith(prefix)})
         dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
-                 no_dist=not dist.is_initialized())
+                 no_dist=not collective or not dist.is_initialized())
 
 
 def latest(directory: str | os.PathLike | None) -> str | None:

@@ -164,7 +164,11 @@ def _same_curve(text: str, expected: dict[int, float]) -> None:
 @pytest.mark.timeout(180)
 def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     # a pause per step: the joiner's agent (seconds to start) must come before the last step
-    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25"]
+    # with checkpoints: the saves are collectives of the changing world, and the joiner reads
+    # the newest one alone, then takes the survivors' state
+    checkpoints = tmp_path / "ckpt"
+    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
+              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
     first, second = _two_nodes(tmp_path, script, 2)
     nodes = [first, second]
     try:
@@ -198,6 +202,42 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
     assert "parameters identical on all 3 ranks: yes" in text, text
+    kept = sorted(n for n in os.listdir(checkpoints) if n.startswith("step_"))
+    assert kept == [f"step_{STEPS - 4}", f"step_{STEPS}"], kept
+
+
+@pytest.mark.timeout(180)
+def test_a_group_restarted_after_all_resumes_from_the_newest_checkpoint(tmp_path, expected):
+    """--elastic in-place with --checkpoint-dir, and a handover that fails (one survivor
+    worker SIGSTOPped as the other node dies, so it cannot confirm within 1 s): the agent
+    restarts the survivor's workers as without in-place recovery, and the fresh workers resume
+    from the newest checkpoint (read by each rank alone), not from step 0. Every loss printed,
+    before and after, is the reference's at its step."""
+    checkpoints = tmp_path / "ckpt"
+    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
+              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
+    first, second = _two_nodes(tmp_path, script, 2, MESHRUN_IN_PLACE_TIMEOUT="1")
+    nodes = [first, second]
+    try:
+        _wait(lambda: re.search(r"step 6 \| loss [0-9.]+ .*\| world 3", first.text()),
+              "step 6 at world 3", 90, nodes)
+        (survivors,) = _worker_pids(first).values()
+        second.kill()
+        os.kill(max(survivors), signal.SIGSTOP)  # the agent's stop sends SIGCONT after SIGTERM
+        assert first.proc.wait(90) == 0, first.text()
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
+    text = first.text()
+    assert "in-place handover failed" in text, text
+    resumed = re.search(r"resumed from step (\d+) .*; global batch 12", text)
+    assert resumed and int(resumed.group(1)) in (4, 8), text
+    got = _losses(text)
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    for step, values in got.items():  # the steps after the checkpoint were trained twice
+        assert all(v == pytest.approx(expected[step], abs=2e-4) for v in values), (step, got)
+    assert any(len(v) == 2 for v in got.values()), got  # and the restart did happen
 
 
 @pytest.mark.timeout(180)
