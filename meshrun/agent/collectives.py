@@ -171,7 +171,8 @@ class Recorder:
         ``id()`` would call it the same group (a flake in CI: the old calls stayed)."""
         world = dist.distributed_c10d._world
         groups = list(world.pg_names)
-        if any(ref() is None or all(ref() is not pg for pg in groups) for ref in self._live):
+        now = {id(pg) for pg in groups}  # ids of live objects: unique while they live
+        if any((pg := ref()) is None or id(pg) not in now for ref in self._live):
             self._cutoff, self._names = self._seen, {}
         self._live = [weakref.ref(pg) for pg in groups]
         self._seen = max((int(e.get("record_id", -1)) for e in ring.get("entries", [])),

@@ -29,6 +29,7 @@ backward (to its W when the backward is split: W still needs the layer inputs);
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -135,8 +136,8 @@ def peak_activations(order: Order) -> dict[int, int]:
 def bubble_formula(num_ranks: int, n_microbatches: int, chunks_per_rank: int = 1) -> float:
     """The textbook bubble fraction ``(p - 1) / (v m + p - 1)`` (v = 1: GPipe and 1F1B).
     Raises ValueError unless p, m and v are positive integers."""
-    p, m, v = num_ranks, n_microbatches, chunks_per_rank
-    _check_counts("bubble_formula", num_ranks=p, n_microbatches=m, chunks_per_rank=v)
+    p, m, v = _counts("bubble_formula", num_ranks=num_ranks, n_microbatches=n_microbatches,
+                      chunks_per_rank=chunks_per_rank)
     return (p - 1) / (v * m + p - 1)
 
 
@@ -147,13 +148,18 @@ def zero_bubble_formula(schedule: str, num_ranks: int, n_microbatches: int, *,
 
     Args:
         schedule: ``"zbh1"`` or ``"zbv"``.
-        num_ranks, n_microbatches: p and m (ZB-V: m >= 2p - 1 for its full steady state).
+        num_ranks, n_microbatches: p and m; the formulas are those of the full steady state,
+            which needs m >= p (ZB-H1) or m >= 2p - 1 (ZB-V).
         forward, backward_input, weight: t_F, t_B, t_W of one stage (ZB-H1) or one chunk
-            (ZB-V), any unit.
+            (ZB-V), any unit, any real numbers >= 0.
 
-    ZB-H1 (Qi et al., ICLR 2024, section 2.1; needs ``t_W <= t_F``): bubble time
-    ``(p - 1)(t_F + t_B - t_W)`` against 1F1B's ``(p - 1)(t_F + t_B + t_W)``, so the fraction
-    is ``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``.
+    ZB-H1: each rank works ``m (t_F + t_B + t_W)`` and idles ``(p - 1) max(t_F, t_B, t_F +
+    t_B - t_W)``. Qi et al. (ICLR 2024, section 2.1) give ``(p - 1)(t_F + t_B - t_W)``, for
+    ``t_W <= t_F``: a W fills part of each rank's wait. Where W costs at least the cheaper of
+    F and B it fills no more than that, and the idle time stays at ``(p - 1) max(t_F, t_B)``
+    (the max is the simulator's finding, not the paper's). Exact for any costs and m >= p:
+    checked against `simulate` with seeded random costs in
+    ``tests/parallel/test_pp_schedules.py``.
 
     ZB-V (section 6 gives only ``t_F = t_B = t_W``, and rounds the bubble to zero): each rank
     works ``2 m (t_F + t_B + t_W)`` and idles ``(p - 1) max(t_F, t_B)``. The idle time is what
@@ -168,35 +174,67 @@ def zero_bubble_formula(schedule: str, num_ranks: int, n_microbatches: int, *,
     p = 2): checked against `simulate` with seeded random costs in
     ``tests/parallel/test_pp_schedules.py``. Outside that region other ranks wait too (a B
     cheaper than its F, too little W to fill the V's gaps, or a W much dearer than its B)
-    and the formula is below the simulator's bubble. Raises ValueError for another schedule
-    name, a p or m that is not a positive integer, or a cost that is negative or not finite
-    (or all three zero).
+    and the formula is below the simulator's bubble.
+
+    Raises:
+        ValueError: another schedule name; p or m not a positive integer, or m below the
+            steady state's minimum; a cost that is negative, not finite or not a real
+            number, or all three zero.
     """
-    p, m = num_ranks, n_microbatches
-    f, b, w = forward, backward_input, weight
-    _check_counts("zero_bubble_formula", num_ranks=p, n_microbatches=m)
-    costs = {"forward": f, "backward_input": b, "weight": w}
-    for name, value in costs.items():
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"zero_bubble_formula: {name} must be a finite cost >= 0 "
-                             f"(got {value!r})")
+    p, m = _counts("zero_bubble_formula", num_ranks=num_ranks, n_microbatches=n_microbatches)
+    f, b, w = (_cost(name, value) for name, value in (
+        ("forward", forward), ("backward_input", backward_input), ("weight", weight)))
     if f + b + w == 0:
         raise ValueError("zero_bubble_formula: forward, backward_input and weight are all 0; "
                          "give the measured cost of at least one")
-    if schedule == "zbh1":
-        idle, work = (p - 1) * (f + b - w), m * (f + b + w)
-    elif schedule == "zbv":
-        idle, work = (p - 1) * max(f, b), 2 * m * (f + b + w)
-    else:
+    if schedule not in ("zbh1", "zbv"):
         raise ValueError(f"zero_bubble_formula: schedule must be 'zbh1' or 'zbv' (got "
                          f"{schedule!r})")
+    try:
+        if schedule == "zbh1":
+            least, idle, work = p, (p - 1) * max(f, b, f + b - w), m * (f + b + w)
+        else:
+            least, idle, work = 2 * p - 1, (p - 1) * max(f, b), 2 * m * (f + b + w)
+    except OverflowError:  # p or m too large for a float
+        least, idle, work = 1, math.inf, math.inf
+    if m < least:
+        raise ValueError(f"zero_bubble_formula: {schedule} with {p} ranks needs at least "
+                         f"{least} microbatches for the steady state the formula describes "
+                         f"(got {m}); `simulate` the schedule instead")
+    if not math.isfinite(work + idle):
+        raise ValueError(f"zero_bubble_formula: costs too large to add up ({f!r}, {b!r}, "
+                         f"{w!r}); give them in a larger unit")
     return idle / (work + idle)
 
 
-def _check_counts(where: str, **counts) -> None:
+def _counts(where: str, **counts) -> list[int]:
+    """Each count as an int (numpy and torch integers too); ValueError unless positive."""
+    values = []
     for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or number < 1:
             raise ValueError(f"{where}: {name} must be a positive integer (got {value!r})")
+        values.append(number)
+    return values
+
+
+def _cost(name: str, value) -> float:
+    """``value`` as a float (numpy and torch scalars too); ValueError unless finite, >= 0."""
+    try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        number = math.nan
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"zero_bubble_formula: {name} must be a finite cost >= 0 "
+                         f"(got {value!r})")
+    return number
 
 
 def _per_stage(value: Cost, num_stages: int, what: str) -> list[float]:
