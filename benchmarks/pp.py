@@ -40,10 +40,11 @@ Two bubbles, medians over steps, both from those compute times (busy_r: rank r's
   runs the standard warm-up / 1F1B / cool-down). This is the bubble of the schedule itself,
   including any imbalance between stages and between F and B; it is what the formula
   ``(p - 1)/(v m + p - 1)`` predicts for equal stage costs. For ZB-H1 and ZB-V the formula
-  column is `zero_bubble_formula` at this run's mean F, B and W over all ranks (ZB-H1:
-  ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))``, the paper's; ZB-V: ``(p-1) max(F, B) /
-  (2m(F+B+W) + (p-1) max(F, B))`` in chunk costs, the V's forced waits on rank p - 1, which
-  the paper's F = B = W case leaves at ``(p-1)F``). Stage 0's B is empty (nothing needs its
+  column is `zero_bubble_formula` at this run's mean F, B and W over all ranks (ZB-H1: idle
+  ``(p-1) max(F, B, F+B-W)`` against work ``m(F+B+W)``, the paper's ``(p-1)(F+B-W)`` where W
+  is the cheapest, and here W costs about 1.1 F; ZB-V: idle ``(p-1) max(F, B)`` against
+  ``2m(F+B+W)`` in chunk costs, the V's forced waits on rank p - 1, which the paper's F = B =
+  W case leaves at ``(p-1)F``). Stage 0's B is empty (nothing needs its
   input's gradient) and its W is its whole backward, so its backward is counted as B = W
   (which leaves the timeline as it is: the schedules put stage 0's W right after its B).
   ``sched / formula`` then says how far the timeline under real, unequal costs is from the
