@@ -103,9 +103,9 @@ class Recorder:
         self._done = threading.Event()
         self._last = b""
         self._names: dict[str, str] = {}  # group name -> its member ranks ("0-3")
-        self._live: list[weakref.ref] = []  # the groups at the last look
+        self._live: list[tuple[weakref.ref, str]] = []  # the groups at the last look
         self._seen = -1  # the newest ring entry (record_id) at the last look
-        self._cutoff = -1  # entries up to this one belong to destroyed groups
+        self._cutoff: dict[str, int] = {}  # group name -> its entries up to here: destroyed
         self._thread = threading.Thread(target=self._run, name="meshrun-collective-record",
                                         daemon=True)  # fmt: skip
 
@@ -164,20 +164,24 @@ class Recorder:
         """Each live process group's name (as torch's ring names it) -> its member ranks.
 
         A group destroyed since the last look (``destroy_process_group()``, then perhaps a new
-        ``init_process_group``, whose default group is named "0" again) ends the old calls:
-        the ring outlives the groups, so its entries up to the last look are left out from
-        then on (``self._cutoff``), and the member lists are found again. The groups are
+        ``init_process_group``, whose default group is named "0" again) ends its calls: the
+        ring outlives the groups, so that group's entries up to the last look are left out
+        from then on (``self._cutoff``, per group name: the other groups keep theirs), and
+        its member list is found again; calls it made after the last look are told by
+        `make_record` (a new group's sequence numbers start again). The groups are
         remembered by weak reference: a new group may take a destroyed one's address, so an
         ``id()`` would call it the same group (a flake in CI: the old calls stayed)."""
         world = dist.distributed_c10d._world
-        groups = list(world.pg_names)
-        now = {id(pg) for pg in groups}  # ids of live objects: unique while they live
-        if any((pg := ref()) is None or id(pg) not in now for ref in self._live):
-            self._cutoff, self._names = self._seen, {}
-        self._live = [weakref.ref(pg) for pg in groups]
+        groups = list(world.pg_names.items())
+        now = {id(pg) for pg, _ in groups}  # ids of live objects: unique while they live
+        for ref, name in self._live:
+            if (pg := ref()) is None or id(pg) not in now:
+                self._cutoff[name] = self._seen
+                self._names.pop(name, None)
+        self._live = [(weakref.ref(pg), name) for pg, name in groups]
         self._seen = max((int(e.get("record_id", -1)) for e in ring.get("entries", [])),
                          default=self._seen)  # fmt: skip
-        for pg, name in list(world.pg_names.items()):
+        for pg, name in groups:
             if name not in self._names:
                 try:
                     self._names[name] = ranges(dist.get_process_group_ranks(pg))
@@ -207,11 +211,14 @@ def _looked_after(path: Path, since: float) -> bool:
         return False
 
 
-def make_record(dump: dict, group_ranks: dict[str, str], cutoff: int = -1) -> dict:
+def make_record(dump: dict, group_ranks: dict[str, str],
+                cutoff: int | dict[str, int] = -1) -> dict:
     """Turn torch's flight-recorder dump (``_dump_fr_trace_json``) into the record file's shape:
     ``{"pid", "written_ms", "groups": {name: {"ranks", "issued", "done"}}, "calls": [...]}``,
     each call ``{"group", "seq", "op", "args", "issued_ms"}``, oldest first, p2p and the
-    entries up to ``cutoff`` (``record_id``: calls of groups destroyed since) left out.
+    entries up to ``cutoff`` (``record_id``, for every group or per group name: calls of
+    groups destroyed since) left out, and so are a group name's calls before its sequence
+    numbers start again (a group destroyed and made again under the same name).
 
     ``issued``/``done`` are the last sequence numbers issued and completed in the group (0:
     none). Groups are keyed by their global name (torch's ``pg_id`` is a per-process index and
@@ -220,18 +227,24 @@ def make_record(dump: dict, group_ranks: dict[str, str], cutoff: int = -1) -> di
     """
     id_to_name: dict[str, str] = {}
     calls = []
-    for e in dump.get("entries", []):
-        if int(e.get("record_id", 0)) <= cutoff:
-            continue
+    last_seq: dict[str, int] = {}  # group name -> the sequence number of its latest call
+    for e in sorted(dump.get("entries", []), key=lambda e: int(e.get("record_id", 0))):
         name = str(e.get("process_group", ["?"])[0])
         if name == "" and str(e.get("pg_id")) == "0":
             name = "0"  # a desync check's wrapper leaves names empty; 0 is the default group
+        limit = cutoff.get(name, -1) if isinstance(cutoff, dict) else cutoff
+        if int(e.get("record_id", 0)) <= limit:
+            continue
         id_to_name[str(e.get("pg_id"))] = name
         if e.get("is_p2p") or name not in group_ranks:
             continue
+        seq = int(e.get("collective_seq_id", 0))
+        if 0 < seq <= last_seq.get(name, 0):  # numbered from 1 again: a new group
+            calls = [c for c in calls if c["group"] != name]
+        last_seq[name] = seq
         calls.append({
             "group": name,
-            "seq": int(e.get("collective_seq_id", 0)),
+            "seq": seq,
             "op": str(e.get("profiling_name", "?")).split(":")[-1],
             "args": _describe_args(e.get("input_sizes", []), e.get("input_dtypes", [])),
             "issued_ms": int(e.get("time_created_ns", 0)) // 1_000_000,

@@ -335,4 +335,41 @@ def test_a_new_group_at_a_destroyed_groups_address_ends_the_old_calls():
     assert id(new) == address, "the allocator did not reuse the address: the case is not made"
     world.pg_names = {new: "0"}
     recorder._group_ranks(dist, {"entries": ring["entries"] + [{"record_id": 2}]})
-    assert recorder._cutoff == 1
+    assert recorder._cutoff == {"0": 1}
+
+
+def test_recorder_keeps_each_group_to_its_own_lifetime(tmp_path, monkeypatch, launch):
+    """A real gloo group of one: a call after the recorder's last look, destroy, init again,
+    one call: the record holds the new group's call only (its sequence numbers start again);
+    a subgroup destroyed meanwhile takes only its own calls with it, not the world group's."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    path = tmp_path / "collectives.json"
+    recorder = Recorder(str(path))
+    init = dict(backend="gloo", rank=0, world_size=1)
+    dist.init_process_group(init_method=f"tcp://127.0.0.1:{launch.free_port()}", **init)
+    try:
+        dist.all_reduce(torch.ones(3))
+        assert recorder.write_once()
+        dist.all_reduce(torch.ones(5))  # not looked at before the group goes
+        dist.destroy_process_group()
+        dist.init_process_group(init_method=f"tcp://127.0.0.1:{launch.free_port()}", **init)
+        dist.all_reduce(torch.ones(2))
+        assert recorder.write_once()
+        assert [(c.group, c.seq, c.args) for c in read_record(path).calls] == [
+            ("0", 1, "float[2]")]
+
+        sub = dist.new_group([0])
+        dist.all_reduce(torch.ones(4), group=sub)
+        dist.all_reduce(torch.ones(6))
+        assert recorder.write_once()
+        dist.destroy_process_group(sub)
+        dist.all_reduce(torch.ones(7))
+        assert recorder.write_once()
+        calls = [(c.group, c.seq, c.args) for c in read_record(path).calls]
+        assert calls == [("0", 1, "float[2]"), ("0", 2, "float[6]"), ("0", 3, "float[7]")]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
