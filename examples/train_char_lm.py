@@ -60,9 +60,10 @@ the running workers the new round, they change world (the mesh and ddp rebuilt o
 model, the state agreed by broadcast) and retry the step, with the same global batch rule:
 no process restarts, no checkpoint is read, no step is lost (docs/faults.md). With
 ``--checkpoint-dir`` it also saves every ``--checkpoint-every`` steps (at the start of the
-step, in the foreground) and at the end, and a fresh worker reads the newest checkpoint on its
-own: when the whole group was restarted (a worker did not take the new world in time) it
-resumes there; a worker that joins ranks training in place takes their state instead.
+step, in the foreground) and at the end, and a group where nobody has trained yet (the
+job's start, or the agent restarted it: a worker did not take the new world in time) resumes
+from the newest checkpoint; a worker that joins ranks training in place takes their state and
+reads no checkpoint.
 
 Files: this script (flags, checkpoints, the training loop); ``char_lm/model.py`` (the model),
 ``char_lm/data.py`` (windows, epochs, batches), ``char_lm/parallelize.py`` (the mesh and the
@@ -395,11 +396,11 @@ def train_in_place(args, model, data, device):
     optimizer = make_optimizer(args, model.parameters())  # ddp keeps the same parameters
     global_batch = args.global_batch_size or args.batch_size * int(os.environ["WORLD_SIZE"])
     state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch}
-    if args.checkpoint_dir:  # a fresh worker: the whole group restarted, or it joins
-        resume_in_place(args, model, optimizer, state)
     n_windows = (len(data) - 1) // args.block_size
     t0, first, par = time.perf_counter(), None, None
-    for attempt in elastic.steps(state, args.steps, build=build):
+    resume = ((lambda: resume_in_place(args, model, optimizer, state))
+              if args.checkpoint_dir else None)  # a fresh group's: joiners take the live state
+    for attempt in elastic.steps(state, args.steps, build=build, resume=resume):
         with attempt:
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
             if args.checkpoint_dir and step % args.checkpoint_every == 0 and step > 0:
@@ -443,13 +444,11 @@ def train_in_place(args, model, data, device):
 
 
 def resume_in_place(args, model, optimizer, state):
-    """Load the newest checkpoint under ``--checkpoint-dir`` into ``state`` on this rank alone.
+    """Load the newest checkpoint under ``--checkpoint-dir`` into ``state`` (a collective).
 
-    Not a collective: a fresh worker does not know whether its peers load too (the whole
-    group restarted: the agent's in-place handover failed) or train on in place (it joins
-    them). `elastic.steps` then agrees on the state: the ranks that did the most steps
-    broadcast theirs, so a joiner takes the live state and a restarted group the
-    checkpoint's."""
+    `elastic.steps` calls it on every rank of a group where nobody has trained yet (the job's
+    start, or the agent restarted the group after a failed handover); a worker that joins
+    ranks which trained takes their state instead, without reading the disk."""
     from meshrun.parallel import checkpoint
 
     path = checkpoint.latest(args.checkpoint_dir)
@@ -458,11 +457,11 @@ def resume_in_place(args, model, optimizer, state):
     saved = {"model": checkpoint.model_state(model),
              "optim": checkpoint.optimizer_state(optimizer, model), "step": 0,
              "data": {"position": 0, "global_batch": 0}, "rng": torch.get_rng_state()}
-    checkpoint.load(saved, path, collective=False)
+    checkpoint.load(saved, path)
     torch.set_rng_state(saved["rng"])
     state.update(step=saved["step"], position=saved["data"]["position"],
                  global_batch=saved["data"]["global_batch"])
-    if dist.get_rank() == 0:
+    if master_now():
         print(f"resumed from step {saved['step']} ({path}); global batch "
               f"{state['global_batch']}", flush=True)
 

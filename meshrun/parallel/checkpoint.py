@@ -219,9 +219,8 @@ _group = None  # the background saves' own process group, made at the first
 
 
 @busy("checkpoint load")
-def load(state: dict, path: str | os.PathLike, *, collective: bool = True) -> None:
-    """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks
-    (unless ``collective`` is False).
+def load(state: dict, path: str | os.PathLike) -> None:
+    """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks.
 
     Tensors (and the blocks of `ModelState` / `OptimizerState`) are filled in place with the
     parts of the saved tensors they cover, whatever layout saved them; other values in
@@ -235,10 +234,6 @@ def load(state: dict, path: str | os.PathLike, *, collective: bool = True) -> No
             it (relative) and their sizes (None: not a tensor), to make them.
         path: a checkpoint directory (e.g. ``latest(directory)``, after checking it is not
             None).
-        collective: False: this rank reads alone, with no process group involved (DCP's
-            ``no_dist``), for a worker whose peers may not be loading at the same time (a
-            fresh worker joining ranks that train on in place, `meshrun.parallel.elastic`).
-            Only for state that is whole on every rank (one process, ddp).
 
     Raises:
         FileNotFoundError: ``path`` is None, or holds no complete checkpoint.
@@ -268,7 +263,7 @@ def load(state: dict, path: str | os.PathLike, *, collective: bool = True) -> No
                                        for k, md in metadata.state_dict_metadata.items()
                                        if k.startswith(prefix)})
         dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
-                 no_dist=not collective or not dist.is_initialized())
+                 no_dist=not dist.is_initialized())
 
 
 def latest(directory: str | os.PathLike | None) -> str | None:

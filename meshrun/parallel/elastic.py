@@ -124,7 +124,7 @@ class Attempt:
 
 def steps(
     state: MutableMapping, total: int, *, build: Callable[[], object],
-    wait_timeout: float = 60.0,
+    resume: Callable[[], None] | None = None, wait_timeout: float = 60.0,
 ) -> Iterator[Attempt]:
     """Yield one `Attempt` per step from ``state["step"]`` (0 if absent) to ``total``.
 
@@ -141,6 +141,12 @@ def steps(
         state: as above; read, and written when this rank takes another rank's state.
         total: the step count to reach.
         build: the script's mesh and strategies for the current world.
+        resume: called on every rank together (collectives allowed: a checkpoint's
+            `meshrun.parallel.checkpoint.load`) after the ranks agree on the state, whenever
+            none of them has done a step: a fresh group (the job's start, or the agent
+            restarted the workers) may then load ``state`` from a checkpoint, ``"step"``
+            included. A worker that joins ranks which have trained does not read the disk:
+            it takes their state.
         wait_timeout: seconds to wait for the agent's offer of a new world after a peer
             vanished; then the collective's error is raised (the agent restarts the group
             as usual).
@@ -152,7 +158,7 @@ def steps(
         Any exception of the step's body that is not a vanished peer (`peer_lost`).
     """
     state.setdefault("step", 0)
-    loop = _Loop(state, build, wait_timeout)
+    loop = _Loop(state, build, resume, wait_timeout)
     in_place.opt_in()
     loop.enter_world()
     while state["step"] < total:
@@ -222,20 +228,26 @@ class _OfferWatch:
 class _Loop:
     """The state of one `steps` loop: which round this process is in, and how it changes."""
 
-    def __init__(self, state: MutableMapping, build: Callable[[], object], wait_timeout: float):
+    def __init__(self, state: MutableMapping, build: Callable[[], object],
+                 resume: Callable[[], None] | None, wait_timeout: float):
         self.state, self.build, self.wait_timeout = state, build, wait_timeout
+        self.resume = resume
         self.round = int(os.environ.get("MESHRUN_ROUND", 0))
         self.changes = 0
         self.built: object = None
 
     def enter_world(self) -> None:
-        """``build()`` and agree on the state; a peer vanishing meanwhile changes world."""
+        """``build()``, agree on the state, and ``resume()`` where nobody has trained yet
+        (every rank then knows the same step count: all call it or none); a peer vanishing
+        meanwhile changes world."""
         while True:
             try:
                 before = tcp_connections()
                 self.built = self.build()
                 note_world_sockets(before)  # the connections of the mesh's groups
                 _agree(self.state)
+                if self.resume is not None and self.state["step"] == 0:
+                    self.resume()
                 return
             except RuntimeError as e:
                 if not peer_lost(e):

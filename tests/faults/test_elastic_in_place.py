@@ -164,8 +164,8 @@ def _same_curve(text: str, expected: dict[int, float]) -> None:
 @pytest.mark.timeout(180)
 def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     # a pause per step: the joiner's agent (seconds to start) must come before the last step
-    # with checkpoints: the saves are collectives of the changing world, and the joiner reads
-    # the newest one alone, then takes the survivors' state
+    # with checkpoints: the saves are collectives of the changing world, and the joiner takes
+    # the survivors' state without reading the disk
     checkpoints = tmp_path / "ckpt"
     script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
@@ -178,6 +178,9 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
         second.kill()
         _wait(lambda: re.search(rf"step {JOIN_AFTER} \| loss [0-9.]+ .*\| world 2",
                                 first.text()), f"step {JOIN_AFTER} at world 2", 60, nodes)
+        # the newest "checkpoint" is damaged: a joiner that read the disk would fail on it
+        (checkpoints / "step_999").mkdir()
+        (checkpoints / "step_999" / ".metadata").write_bytes(b"not a checkpoint")
         third = Node(tmp_path, "third", first.port, 1, False, script)
         nodes.append(third)
         assert first.proc.wait(90) == 0, first.text()
@@ -203,7 +206,7 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
     assert "parameters identical on all 3 ranks: yes" in text, text
     kept = sorted(n for n in os.listdir(checkpoints) if n.startswith("step_"))
-    assert kept == [f"step_{STEPS - 4}", f"step_{STEPS}"], kept
+    assert kept == [f"step_{STEPS}", "step_999"], kept  # the saves went on; nobody loaded
 
 
 @pytest.mark.timeout(180)
