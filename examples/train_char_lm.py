@@ -395,7 +395,8 @@ def train_in_place(args, model, data, device):
 
     optimizer = make_optimizer(args, model.parameters())  # ddp keeps the same parameters
     global_batch = args.global_batch_size or args.batch_size * int(os.environ["WORLD_SIZE"])
-    state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch}
+    state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch,
+             "resumed_at": None}  # the same keys on every rank: the agreement sends each
     n_windows = (len(data) - 1) // args.block_size
     t0, first, par = time.perf_counter(), None, None
     resume = ((lambda: resume_in_place(args, model, optimizer, state))
@@ -403,10 +404,14 @@ def train_in_place(args, model, data, device):
     for attempt in elastic.steps(state, args.steps, build=build, resume=resume):
         with attempt:
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
-            if args.checkpoint_dir and step % args.checkpoint_every == 0 and step > 0:
-                # at the step's start: a collective before any effect, decided by the agreed
-                # step alone (every rank saves, or none); a retried step saves it again
+            if (args.checkpoint_dir and step % args.checkpoint_every == 0 and step > 0
+                    and step != state.get("resumed_at")):
+                # at the step's start: a collective before any effect, decided by agreed
+                # state alone (every rank saves, or none); a retried step saves it again
                 save_in_place(args, par, optimizer, state)
+            if (step == args.fail_at_step and master_now()
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                raise RuntimeError(f"--fail-at-step {step}: failing on purpose (restart count 0)")
             first = step if first is None else first
             n_micro = check_batch(args, global_batch, par.dp_size)
             lr = set_learning_rate(optimizer, args, step)
@@ -460,7 +465,8 @@ def resume_in_place(args, model, optimizer, state):
     checkpoint.load(saved, path)
     torch.set_rng_state(saved["rng"])
     state.update(step=saved["step"], position=saved["data"]["position"],
-                 global_batch=saved["data"]["global_batch"])
+                 global_batch=saved["data"]["global_batch"],
+                 resumed_at=saved["step"])  # agreed state: a joiner takes it too
     if master_now():
         print(f"resumed from step {saved['step']} ({path}); global batch "
               f"{state['global_batch']}", flush=True)
