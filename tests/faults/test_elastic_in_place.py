@@ -18,6 +18,7 @@ the new round (the fallback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -93,6 +94,17 @@ class Node:
             except psutil.NoSuchProcess:
                 pass
         self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def _stopped_at_end(nodes: list[Node]):
+    """Kill every node of ``nodes`` (appended to on the way too) still running at the end."""
+    try:
+        yield nodes
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill()
 
 
 def _accepts(port: int) -> bool:
@@ -171,7 +183,7 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
     first, second = _two_nodes(tmp_path, script, 2)
     nodes = [first, second]
-    try:
+    with _stopped_at_end(nodes):
         _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
                                 first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
         before = _worker_pids(first)
@@ -185,10 +197,6 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
         nodes.append(third)
         assert first.proc.wait(90) == 0, first.text()
         assert third.proc.wait(30) == 0, third.text()
-    finally:
-        for n in nodes:
-            if n.proc.poll() is None:
-                n.kill()
 
     text = first.text()
     assert text.count("every worker confirmed in place") == 2, text
@@ -221,17 +229,13 @@ def test_a_group_restarted_after_all_resumes_from_the_newest_checkpoint(tmp_path
               "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
     first, second = _two_nodes(tmp_path, script, 2, MESHRUN_IN_PLACE_TIMEOUT="1")
     nodes = [first, second]
-    try:
+    with _stopped_at_end(nodes):
         _wait(lambda: re.search(r"step 6 \| loss [0-9.]+ .*\| world 3", first.text()),
               "step 6 at world 3", 90, nodes)
         (survivors,) = _worker_pids(first).values()
         second.kill()
         os.kill(max(survivors), signal.SIGSTOP)  # the agent's stop sends SIGCONT after SIGTERM
         assert first.proc.wait(90) == 0, first.text()
-    finally:
-        for n in nodes:
-            if n.proc.poll() is None:
-                n.kill()
     text = first.text()
     assert "in-place handover failed" in text, text
     resumed = re.search(r"resumed from step (\d+) .*; global batch 12", text)
@@ -254,7 +258,7 @@ def test_two_losses_in_quick_succession(tmp_path, expected):
     first = Node(tmp_path, "first", port, 1, True, script, nnodes="1:3",
                  launcher_args=("--node-rank", "0"))
     nodes = [first]
-    try:
+    with _stopped_at_end(nodes):
         _wait(lambda: _accepts(port), "the c10d store", 60, nodes)
         nodes += [Node(tmp_path, name, port, 1, False, script, nnodes="1:3",
                        launcher_args=("--node-rank", str(i)))
@@ -270,10 +274,6 @@ def test_two_losses_in_quick_succession(tmp_path, expected):
                                 first.text()), "the round without the second node", 60, nodes)
         nodes[2].kill()
         assert first.proc.wait(90) == 0, first.text()
-    finally:
-        for n in nodes:
-            if n.proc.poll() is None:
-                n.kill()
     text = first.text()
     assert _worker_pids(first) == before, first.events()  # never restarted
     assert "restarting the worker group" not in text.split("world size 3")[1], text
@@ -287,7 +287,7 @@ def test_two_losses_in_quick_succession(tmp_path, expected):
 def test_a_worker_that_does_not_confirm_is_restarted(tmp_path):
     first, second = _two_nodes(tmp_path, [str(IGNORER)], 1, MESHRUN_IN_PLACE_TIMEOUT="1")
     nodes = [first, second]
-    try:
+    with _stopped_at_end(nodes):
         def opted_in_two_nodes():  # the survivor's worker of the two-node round opted in
             both = re.search(r"round (\d+): node rank 0 of 2", first.text())
             return both and f"round {both.group(1)}" in "".join(
@@ -296,10 +296,6 @@ def test_a_worker_that_does_not_confirm_is_restarted(tmp_path):
         _wait(opted_in_two_nodes, "a two-node round whose worker opted in", 60, nodes)
         second.kill()
         assert first.proc.wait(60) == 0, first.text()
-    finally:
-        for n in nodes:
-            if n.proc.poll() is None:
-                n.kill()
     text = first.text()
     assert re.search(r"in-place handover failed \(rank\(s\) 0 did not confirm within 1 s\)",
                      text), text
@@ -321,7 +317,7 @@ def test_node_rank_0_lost_on_etcd(tmp_path, expected):
     cluster = EtcdCluster(tmp_path / "etcd").start()
     script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN]
     nodes = []
-    try:
+    with _stopped_at_end(nodes):
         first = Node(tmp_path, "first", None, 1, False, script, etcd=cluster.endpoint,
                      launcher_args=("--node-rank", "0"))
         second = Node(tmp_path, "second", None, 2, False, script, etcd=cluster.endpoint,
@@ -332,10 +328,6 @@ def test_node_rank_0_lost_on_etcd(tmp_path, expected):
         before = _worker_pids(second)
         first.kill()
         assert second.proc.wait(90) == 0, second.text()
-    finally:
-        for n in nodes:
-            if n.proc.poll() is None:
-                n.kill()
         cluster.stop()
     text = second.text()
     assert _worker_pids(second) == before, second.events()  # never restarted
