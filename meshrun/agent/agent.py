@@ -529,7 +529,14 @@ class Agent:
         self._note_exits()
         self._group = None
         self._raise_if_signalled()
+        if new.num_nodes == 1:
+            # A worker that confirmed began to meet in the round's store before it was
+            # stopped: its address is there, and a fresh worker could read it (gloo: refused,
+            # retried, failed). The whole world is here, so it gets a store of its own.
+            _, port = self._open(bootstrap, new.nodes[0])
+            new = replace(new, master_port=port)
         self._start_group(new, reaper)
+        bootstrap.serve()
         return new
 
     def _await_confirmations(
