@@ -398,17 +398,22 @@ def train_in_place(args, model, data, device):
     state = {"model": model, "optim": optimizer, "position": 0, "global_batch": global_batch,
              "resumed_at": None}  # the same keys on every rank: the agreement sends each
     n_windows = (len(data) - 1) // args.block_size
-    t0, first, par = time.perf_counter(), None, None
+    t0, first = time.perf_counter(), None
     resume = ((lambda: resume_in_place(args, model, optimizer, state))
               if args.checkpoint_dir else None)  # a fresh group's: joiners take the live state
-    for attempt in elastic.steps(state, args.steps, build=build, resume=resume):
+    # one attempt more than there are steps: the end (the last save, the replicas' check) is
+    # then retried in the new world like a step when a peer is lost there
+    for attempt in elastic.steps(state, args.steps + 1, build=build, resume=resume):
         with attempt:
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
-            if (args.checkpoint_dir and step % args.checkpoint_every == 0 and step > 0
-                    and step != state.get("resumed_at")):
+            if (args.checkpoint_dir and step > 0 and step != state.get("resumed_at")
+                    and (step % args.checkpoint_every == 0 or step == args.steps)):
                 # at the step's start: a collective before any effect, decided by agreed
                 # state alone (every rank saves, or none); a retried step saves it again
                 save_in_place(args, par, optimizer, state)
+            if step == args.steps:
+                check_replicas(model)
+                continue
             if (step == args.fail_at_step and master_now()
                     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
                 raise RuntimeError(f"--fail-at-step {step}: failing on purpose (restart count 0)")
@@ -434,9 +439,13 @@ def train_in_place(args, model, data, device):
                       flush=True)
             if args.sleep_per_step:
                 time.sleep(args.sleep_per_step)
-    if args.checkpoint_dir and par is not None:
-        save_in_place(args, par, optimizer, state)
-    # replicas must be equal bit for bit, whoever joined or stayed on the way: all-gather them
+    dist.destroy_process_group()
+    return 0
+
+
+def check_replicas(model):
+    """Print whether every rank holds the same parameters, bit for bit (an all-gather): the
+    replicas must be equal whoever joined or stayed on the way."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(copies, flat)
@@ -444,8 +453,6 @@ def train_in_place(args, model, data, device):
         same = all(torch.equal(c, flat) for c in copies)
         print(f"parameters identical on all {len(copies)} ranks: {'yes' if same else 'NO'}",
               flush=True)
-    dist.destroy_process_group()
-    return 0
 
 
 def resume_in_place(args, model, optimizer, state):

@@ -248,6 +248,32 @@ def test_a_group_restarted_after_all_resumes_from_the_newest_checkpoint(tmp_path
 
 
 @pytest.mark.timeout(180)
+def test_a_node_lost_at_the_end_costs_no_restart(tmp_path, expected):
+    """The other node dies right after the last step: the survivors' end (the last save, the
+    replicas' check: collectives) is an attempt like a step, so it is retried in the new world
+    instead of failing the workers (a restart from the last periodic checkpoint before)."""
+    checkpoints = tmp_path / "ckpt"
+    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
+              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"]
+    first, second = _two_nodes(tmp_path, script, 2)
+    nodes = [first, second]
+    with _stopped_at_end(nodes):
+        _wait(lambda: re.search(rf"step {STEPS} \| loss [0-9.]+ .*\| world 3", first.text()),
+              f"step {STEPS} at world 3", 90, nodes)
+        before = _worker_pids(first)
+        second.kill()  # during the last step's pause: before the end's collectives
+        assert first.proc.wait(60) == 0, first.text()
+    text = first.text()
+    assert "every worker confirmed in place" in text, text
+    assert "restarting the worker group" not in text, text
+    assert _worker_pids(first) == before
+    after_loss = text.split("world size 2", 1)[1]
+    assert f"saved {checkpoints / f'step_{STEPS}'}" in after_loss, text
+    assert "parameters identical on all 2 ranks: yes" in after_loss, text
+    _same_curve(text, expected)
+
+
+@pytest.mark.timeout(180)
 def test_two_losses_in_quick_succession(tmp_path, expected):
     # three nodes of one worker; the second dies, and the third's worker stops (SIGSTOP) at
     # once, so the survivor's worker waits in the new round's init_process_group for a rank
