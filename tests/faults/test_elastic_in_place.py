@@ -135,6 +135,14 @@ def _two_nodes(tmp: Path, script: list[str], survivor_nproc: int, **env: str):
     return first, second
 
 
+def _checkpointed(tmp: Path, every: int) -> tuple[Path, list[str]]:
+    """The example in place with a pause per step and a checkpoint every ``every`` steps."""
+    checkpoints = tmp / "ckpt"
+    return checkpoints, [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step",
+                         "0.25", "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+                         str(every)]
+
+
 def _losses(text: str) -> dict[int, list[float]]:
     found: dict[int, list[float]] = {}
     for m in STEP_LINE.finditer(text):
@@ -178,9 +186,7 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     # a pause per step: the joiner's agent (seconds to start) must come before the last step
     # with checkpoints: the saves are collectives of the changing world, and the joiner takes
     # the survivors' state without reading the disk
-    checkpoints = tmp_path / "ckpt"
-    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
-              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
+    checkpoints, script = _checkpointed(tmp_path, every=4)
     first, second = _two_nodes(tmp_path, script, 2)
     nodes = [first, second]
     with _stopped_at_end(nodes):
@@ -224,9 +230,7 @@ def test_a_group_restarted_after_all_resumes_from_the_newest_checkpoint(tmp_path
     restarts the survivor's workers as without in-place recovery, and the fresh workers resume
     from the newest checkpoint (read by each rank alone), not from step 0. Every loss printed,
     before and after, is the reference's at its step."""
-    checkpoints = tmp_path / "ckpt"
-    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
-              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4"]
+    checkpoints, script = _checkpointed(tmp_path, every=4)
     first, second = _two_nodes(tmp_path, script, 2, MESHRUN_IN_PLACE_TIMEOUT="1")
     nodes = [first, second]
     with _stopped_at_end(nodes):
@@ -252,9 +256,7 @@ def test_a_node_lost_at_the_end_costs_no_restart(tmp_path, expected):
     """The other node dies right after the last step: the survivors' end (the last save, the
     replicas' check: collectives) is an attempt like a step, so it is retried in the new world
     instead of failing the workers (a restart from the last periodic checkpoint before)."""
-    checkpoints = tmp_path / "ckpt"
-    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN, "--sleep-per-step", "0.25",
-              "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"]
+    checkpoints, script = _checkpointed(tmp_path, every=10)
     first, second = _two_nodes(tmp_path, script, 2)
     nodes = [first, second]
     with _stopped_at_end(nodes):
