@@ -54,11 +54,14 @@ by parameter name, so a start with any world size and any --pp/--tp/--dp layout 
 newest one (the directory must be visible to every rank). ``--fail-at-step S`` makes rank 0
 raise at step S on the first attempt (TORCHELASTIC_RESTART_COUNT=0), to show restart + resume.
 
-Recovery in place (``--elastic in-place``, ``--dp-mode ddp`` only for now): the loop runs
-under ``meshrun.parallel.elastic.steps``; when a node is lost or joins, meshrun's agent hands
-the running workers the new round, they change world (the mesh and ddp rebuilt on the live
-model, the state agreed by broadcast) and retry the step, with the same global batch rule:
-no process restarts, no checkpoint is read, no step is lost (docs/faults.md). With
+Recovery in place (``--elastic in-place``, pure data parallelism, ``--dp-mode ddp`` or
+``fsdp``): the loop runs under ``meshrun.parallel.elastic.steps``; when a node is lost or
+joins, meshrun's agent hands the running workers the new round, they change world (the mesh
+and the strategy rebuilt on the live model, the state agreed by broadcast) and retry the
+step, with the same global batch rule: no process restarts, no checkpoint is read, no step
+is lost (docs/faults.md). With fsdp each rank keeps a copy of the shards of a rank on another
+node, refreshed every ``--copy-every`` steps (`meshrun.parallel.fsdp.copies`), so the lost
+node's shards come from memory. With
 ``--checkpoint-dir`` it also saves every ``--checkpoint-every`` steps (at the start of the
 step, in the foreground) and at the end, and a group where nobody has trained yet (the
 job's start, or the agent restarted it: a worker did not take the new world in time) resumes
@@ -161,8 +164,14 @@ def parse_args(argv=None):
                    help="what a lost node costs: restart (the agent restarts every worker; "
                    "with --checkpoint-dir they resume from the newest checkpoint) or in-place "
                    "(meshrun.parallel.elastic: the survivors stay, change world and retry the "
-                   "step; --dp-mode ddp only; with --checkpoint-dir a group that restarts "
-                   "anyway resumes from the newest checkpoint)")
+                   "step; --dp-mode ddp or fsdp, pure data parallelism; with "
+                   "--checkpoint-dir a group that restarts anyway resumes from the newest "
+                   "checkpoint)")
+    p.add_argument("--copy-every", type=int, default=1, help="--elastic in-place with "
+                   "--dp-mode fsdp: refresh the neighbour copies (each rank keeps the shards "
+                   "of a rank on another node, so a lost node is recovered from memory) "
+                   "every N steps; steps since the last refresh are trained again after a "
+                   "loss; 0: never (a lost node's shards then come from --checkpoint-dir)")
     p.add_argument("--fail-at-step", type=int, default=None, help="testing: rank 0 raises here")
     p.add_argument("--sleep-per-step", type=float, default=0.0, help="testing: seconds to "
                    "sleep after each step, so that a fault or a joining node lands mid-run")
@@ -186,8 +195,12 @@ def elastic_problem(args):
     """What ``--elastic in-place`` cannot do with the other flags (yet), or None."""
     if args.elastic != "in-place":
         return None
-    if args.dp_mode != "ddp" or args.pp > 1 or args.tp > 1 or args.cp > 1 or args.dp:
-        return "--elastic in-place: pure data parallelism with --dp-mode ddp only (for now)"
+    if args.dp_mode not in ("ddp", "fsdp") or args.pp > 1 or args.tp > 1 or args.cp > 1 \
+            or args.dp or args.offload:
+        return ("--elastic in-place: pure data parallelism with --dp-mode ddp or fsdp "
+                "(no --offload) only (for now)")
+    if args.copy_every < 0:
+        return f"--copy-every must be >= 0 (got {args.copy_every})"
     if args.comm_hook != "none" or args.eval_every:
         return "--elastic in-place: not with --comm-hook or --eval-every (for now)"
     return None
@@ -403,16 +416,20 @@ def train_in_place(args, model, data, device):
               if args.checkpoint_dir else None)  # a fresh group's: joiners take the live state
     # one attempt more than there are steps: the end (the last save, the replicas' check) is
     # then retried in the new world like a step when a peer is lost there
-    for attempt in elastic.steps(state, args.steps + 1, build=build, resume=resume):
+    for attempt in elastic.steps(state, args.steps + 1, build=build, resume=resume,
+                                 copy_every=args.copy_every):
         with attempt:
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
+            if args.sleep_per_step:  # before the step's collectives: a fault lands mid-step
+                time.sleep(args.sleep_per_step)
             if (args.checkpoint_dir and step > 0 and step != state.get("resumed_at")
                     and (step % args.checkpoint_every == 0 or step == args.steps)):
                 # at the step's start: a collective before any effect, decided by agreed
                 # state alone (every rank saves, or none); a retried step saves it again
                 save_in_place(args, par, optimizer, state)
             if step == args.steps:
-                check_replicas(model)
+                if args.dp_mode == "ddp":  # fsdp: every rank holds other rows
+                    check_replicas(model)
                 continue
             if (step == args.fail_at_step and master_now()
                     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
@@ -437,8 +454,6 @@ def train_in_place(args, model, data, device):
                 print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "
                       f"lr {lr:.2e} | world {dist.get_world_size()} | {ms:.0f} ms/step",
                       flush=True)
-            if args.sleep_per_step:
-                time.sleep(args.sleep_per_step)
     dist.destroy_process_group()
     return 0
 

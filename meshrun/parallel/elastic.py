@@ -63,8 +63,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun import in_place
-from meshrun.parallel._comm import group_device
 from meshrun.parallel._sockets import note_world_sockets, shut_down_world_sockets, tcp_connections
+from meshrun.parallel.fsdp.copies import Copies, NotCovered
 
 __all__ = ["Attempt", "peer_lost", "steps"]
 
@@ -125,6 +125,7 @@ class Attempt:
 def steps(
     state: MutableMapping, total: int, *, build: Callable[[], object],
     resume: Callable[[], None] | None = None, wait_timeout: float = 60.0,
+    copy_every: int = 1,
 ) -> Iterator[Attempt]:
     """Yield one `Attempt` per step from ``state["step"]`` (0 if absent) to ``total``.
 
@@ -150,6 +151,13 @@ def steps(
         wait_timeout: seconds to wait for the agent's offer of a new world after a peer
             vanished; then the collective's error is raised (the agent restarts the group
             as usual).
+        copy_every: a model sharded with ``fully_shard`` (over the whole world): refresh
+            the neighbour copies every this many steps, at the step's start
+            (`meshrun.parallel.fsdp.copies`: each rank keeps its own rows and those of a
+            rank on another node, so one node's loss is recovered from memory). 1: nothing
+            is trained twice after a loss; N: up to N - 1 steps are trained again (the same
+            data, the same result), for 1/N of the copies' cost; 0: none (a lost node's
+            rows come from the last checkpoint: ``resume``). Unused without ``fully_shard``.
 
     Raises:
         RuntimeError: the collective error of a vanished peer when no new world came within
@@ -158,12 +166,19 @@ def steps(
         Any exception of the step's body that is not a vanished peer (`peer_lost`).
     """
     state.setdefault("step", 0)
-    loop = _Loop(state, build, resume, wait_timeout)
+    loop = _Loop(state, build, resume, wait_timeout, Copies(copy_every))
     in_place.opt_in()
     loop.enter_world()
     while state["step"] < total:
         if in_place.offer_after(loop.round) is not None:  # a node joins: no collective failed
             loop.change_world(None)
+            continue
+        try:
+            loop.copies.refresh(state, loop.round)  # fully_shard: the neighbour copies
+        except RuntimeError as e:
+            if not peer_lost(e):
+                raise
+            loop.change_world(e)
             continue
         attempt = Attempt(state["step"], loop.built, loop.changes)
         rng = torch.get_rng_state()
@@ -229,30 +244,57 @@ class _Loop:
     """The state of one `steps` loop: which round this process is in, and how it changes."""
 
     def __init__(self, state: MutableMapping, build: Callable[[], object],
-                 resume: Callable[[], None] | None, wait_timeout: float):
+                 resume: Callable[[], None] | None, wait_timeout: float, copies: Copies):
         self.state, self.build, self.wait_timeout = state, build, wait_timeout
-        self.resume = resume
+        self.resume, self.copies = resume, copies
         self.round = int(os.environ.get("MESHRUN_ROUND", 0))
         self.changes = 0
         self.built: object = None
 
     def enter_world(self) -> None:
-        """``build()``, agree on the state, and ``resume()`` where nobody has trained yet
-        (every rank then knows the same step count: all call it or none); a peer vanishing
-        meanwhile changes world."""
+        """Restore a fully sharded model from the copies, ``build()``, agree on the state,
+        and ``resume()`` where nobody has trained yet (every rank then knows the same step
+        count: all call it or none); a peer vanishing meanwhile changes world."""
         while True:
             try:
+                holdings = [None] * dist.get_world_size()
+                dist.all_gather_object(holdings, self.copies.holdings(self.state))
+                restored = self._restore(holdings)
                 before = tcp_connections()
                 self.built = self.build()
                 note_world_sockets(before)  # the connections of the mesh's groups
-                _agree(self.state)
+                self.copies.after_build()
+                if not restored:
+                    _agree(self.state, [h["step"] for h in holdings])
                 if self.resume is not None and self.state["step"] == 0:
                     self.resume()
+                    if restored == "checkpoint" and self.state["step"] == 0:
+                        raise RuntimeError("meshrun.parallel.elastic: the neighbour copies "
+                                           "do not cover the lost ranks and resume() found "
+                                           "no checkpoint")
                 return
             except RuntimeError as e:
                 if not peer_lost(e):
                     raise
                 self.change_world(e)
+
+    def _restore(self, holdings: list[dict]) -> str | None:
+        """A fully sharded model: its state from the survivors' copies ("memory"), else
+        step 0 for a checkpoint's load ("checkpoint"); None: not fully sharded."""
+        try:
+            used = self.copies.restore(self.state, holdings)
+        except NotCovered as e:
+            if self.resume is None:
+                raise RuntimeError(f"meshrun.parallel.elastic: {e}, and steps() has no "
+                                   f"resume= to load a checkpoint") from None
+            self.state["step"] = 0  # every rank: resume() loads the last checkpoint
+            used = f"{e}: falling back to the last checkpoint"
+            if dist.get_rank() == 0:
+                print(f"meshrun.parallel.elastic: {used}", file=sys.stderr, flush=True)
+            return "checkpoint"
+        if used is not None and dist.get_rank() == 0:
+            print(f"meshrun.parallel.elastic: restored {used}", file=sys.stderr, flush=True)
+        return None if used is None else "memory"
 
     def change_world(self, error: BaseException | None) -> None:
         """Leave the world (broken by ``error``, or None: the agent offered a new one at a
@@ -260,6 +302,8 @@ class _Loop:
         from meshrun.parallel.context import rejoin
 
         t0 = time.monotonic()
+        if error is None:  # nodes join at a step boundary: every owner's rows are current
+            self.copies.keep_own(self.state, self.round)
         while True:
             self.built = None  # what build() returned holds the old world's groups
             _teardown(self.state, error)
@@ -307,9 +351,12 @@ def _teardown(state: MutableMapping, error: BaseException | None = None) -> None
     flight fails): those that appeared while this process joined the world and while
     ``build()`` made its groups (`meshrun.parallel._sockets`). Then every reference to the
     groups goes: ``ddp`` is undone on the modules in
-    ``state``, every `Mesh` is released, the frames of ``error``'s traceback are cleared,
-    and the groups are aborted (NCCL: frees the communicators) and destroyed."""
+    ``state`` and ``fully_shard`` released (`meshrun.parallel.fsdp.release`: each parameter
+    keeps its rows until `Copies.restore`), every `Mesh` is released, the frames of
+    ``error``'s traceback are cleared, and the groups are aborted (NCCL: frees the
+    communicators) and destroyed."""
     from meshrun.parallel.ddp import unwrap
+    from meshrun.parallel.fsdp import release
     from meshrun.parallel.mesh import release_all
 
     shut_down_world_sockets()
@@ -322,6 +369,7 @@ def _teardown(state: MutableMapping, error: BaseException | None = None) -> None
         if isinstance(value, nn.Module):
             for module in value.modules():
                 unwrap(module)
+            release(value)
     release_all()
     if dist.is_initialized():
         for group in list(dist.distributed_c10d._world.pg_map):  # every group of this process
@@ -333,18 +381,14 @@ def _teardown(state: MutableMapping, error: BaseException | None = None) -> None
     gc.collect()
 
 
-def _agree(state: MutableMapping) -> None:
+def _agree(state: MutableMapping, counts: list[int] | None = None) -> None:
     """Make every rank's ``state`` that of the rank with the most steps done (the lowest such
-    rank): one all-gather of the step counts; a broadcast of the whole state only when they
-    differ (replicas that did the same steps hold the same values)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    device = group_device(None)
-    mine = torch.tensor([int(state["step"])], dtype=torch.int64, device=device)
-    counts = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(counts, mine)
-    counts = [int(c.item()) for c in counts]
+    rank; ``counts``: every rank's steps done, all-gathered here when None): a broadcast of
+    the whole state only when they differ (replicas that did the same steps hold the same
+    values)."""
+    if counts is None:
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, int(state["step"]))
     if len(set(counts)) == 1:
         return
     src = counts.index(max(counts))

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["Cut", "Piece", "Placement", "from_state", "full_tensor", "gather_to_first",
-           "global_shape", "of", "pieces", "record", "sharded_over", "to_dtensor"]
+           "global_shape", "of", "pieces", "record", "restore", "sharded_over", "to_dtensor"]
 
 _ATTR = "_meshrun_placement"  # the one attribute, set and read only here
 
@@ -168,6 +168,17 @@ def record(param: torch.Tensor, placement: Placement) -> None:
         raise ValueError(f"placement: a parameter of shape {tuple(param.shape)} cannot hold a "
                          f"local tensor of shape {tuple(placement.local_shape)}")
     setattr(param, _ATTR, placement)
+
+
+def restore(param: torch.Tensor, placement: Placement) -> None:
+    """Put back a record that a strategy's undo found (`meshrun.parallel.fsdp.release`),
+    without the shape check: the caller gives ``param`` its tensor of that shape next. A
+    whole, unowned placement is no record at all."""
+    if not placement.cuts and placement.stage is None:
+        if hasattr(param, _ATTR):
+            delattr(param, _ATTR)
+    else:
+        setattr(param, _ATTR, placement)
 
 
 def global_shape(param: torch.Tensor) -> torch.Size:
@@ -302,14 +313,16 @@ def local_state_dict():
         _RAW.reset(token)
 
 
-def register_state_dict_hooks(module, params: list[tuple[str, torch.Tensor]]) -> None:
+def register_state_dict_hooks(module, params: list[tuple[str, torch.Tensor]]) -> list:
     """Make ``module.state_dict()`` give ``params`` (name relative to ``module``, parameter)
     as DTensors of their global shape (`state_dict_hook`), and ``load_state_dict`` take
-    those, full tensors or local shards (`load_state_dict_hook`)."""
+    those, full tensors or local shards (`load_state_dict_hook`); returns the hooks' handles
+    (``handle.remove()`` undoes it)."""
     if not params:
-        return
-    module.register_state_dict_post_hook(functools.partial(state_dict_hook, params))
-    module.register_load_state_dict_pre_hook(functools.partial(load_state_dict_hook, params))
+        return []
+    return [module.register_state_dict_post_hook(functools.partial(state_dict_hook, params)),
+            module.register_load_state_dict_pre_hook(
+                functools.partial(load_state_dict_hook, params))]
 
 
 def state_dict_hook(params: list[tuple[str, torch.Tensor]], module, state_dict, prefix,

@@ -182,11 +182,14 @@ def _same_curve(text: str, expected: dict[int, float]) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_survivors_keep_their_processes_and_every_step(tmp_path, expected, dp_mode):
     # a pause per step: the joiner's agent (seconds to start) must come before the last step
     # with checkpoints: the saves are collectives of the changing world, and the joiner takes
-    # the survivors' state without reading the disk
+    # the survivors' state without reading the disk. fsdp: the lost node's shards come from
+    # the neighbour copies (meshrun.parallel.fsdp.copies), refreshed at every step's start
     checkpoints, script = _checkpointed(tmp_path, every=4)
+    script += ["--dp-mode", dp_mode]
     first, second = _two_nodes(tmp_path, script, 2)
     nodes = [first, second]
     with _stopped_at_end(nodes):
@@ -218,7 +221,13 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected):
     _same_curve(text, expected)
     worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
-    assert "parameters identical on all 3 ranks: yes" in text, text
+    if dp_mode == "ddp":
+        assert "parameters identical on all 3 ranks: yes" in text, text
+    else:  # the lost rank's rows from its keeper, at the failed step's start; then the join
+        restored = re.findall(r"restored the fully sharded state of step (\d+) from memory "
+                              r"\(the old world's (\d) ranks", text)
+        assert [int(n) for _, n in restored] == [3, 2], text
+        assert KILL_AFTER <= int(restored[0][0]) <= KILL_AFTER + 2, restored
     kept = sorted(n for n in os.listdir(checkpoints) if n.startswith("step_"))
     assert kept == [f"step_{STEPS}", "step_999"], kept  # the saves went on; nobody loaded
 

@@ -13,7 +13,8 @@ reduce-scatters the gradients, so each rank receives the average gradient of its
 
 Files, one concern each (after torch/distributed/fsdp/_fully_shard/):
 
-- api.py: `fully_shard`, `FSDPModule` (``set_requires_gradient_sync``, ``register_comm_hook``,
+- api.py: `fully_shard`, `release` (its undo, for in-place changes of world),
+  `FSDPModule` (``set_requires_gradient_sync``, ``register_comm_hook``,
   ``set_reshard_after_forward``), `MixedPrecisionPolicy`.
 - layout.py: per-parameter dim-0 sharding (``torch.chunk`` rows, padded internally), packing
   for the all-gather / reduce-scatter.
@@ -25,6 +26,8 @@ Files, one concern each (after torch/distributed/fsdp/_fully_shard/):
   parameter at a time) lives in `meshrun.parallel.state_dict`.
 - clip.py: `clip_grad_norm_` by the global norm over the shards.
 - offload.py: `CPUOffloadPolicy`: shards, gradients and optimizer state in host memory.
+- copies.py: neighbour copies (each rank keeps a rank's rows of another node), so that
+  `meshrun.parallel.elastic` recovers from one node's loss in memory.
 
 Limits: parameters are sharded from a materialised module (no meta-device init); the unit's
 forward must be where its parameters are used (a parameter shared across calls is refused);
@@ -32,10 +35,10 @@ a parameter unused in a backward gets a zero gradient (not None); optimizer stat
 per-rank (plain tensors), not DTensors.
 """
 
-from meshrun.parallel.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
+from meshrun.parallel.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard, release
 from meshrun.parallel.fsdp.clip import clip_grad_norm_
 from meshrun.parallel.fsdp.offload import CPUOffloadPolicy, OffloadPolicy
 from meshrun.parallel.state_dict import full_state_dict
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "clip_grad_norm_", "full_state_dict", "fully_shard"]
+           "clip_grad_norm_", "full_state_dict", "fully_shard", "release"]

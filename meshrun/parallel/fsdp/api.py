@@ -292,14 +292,55 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
         placement.record(p, was.narrow(placement.Cut("fsdp", group, 0, unit.world_size,
                                                      unit.rank)))
     module._fsdp_unit = unit  # a plain attribute: not a submodule, not in state_dict
-    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True, prepend=True)
-    module.register_forward_hook(unit.post_forward, always_call=True)  # restore after errors
-    register_state_dict_hooks(module, unit)
     cls = type(module)
+    unit.undo = _Undo(cls, before, [
+        module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True, prepend=True),
+        module.register_forward_hook(unit.post_forward, always_call=True),  # also on errors
+        *register_state_dict_hooks(module, unit)])
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     return module
+
+
+@dataclass
+class _Undo:
+    """What `release` needs to undo one `fully_shard` call."""
+
+    cls: type  # the module's class before
+    placements: list  # each parameter's placement record before the cut
+    handles: list  # the module hooks the call registered
+
+
+def release(module: nn.Module) -> list[nn.Parameter]:
+    """Undo `fully_shard` on ``module`` and every sharded module below it: remove the hooks,
+    restore the classes and the parameters' placement records, and drop the units (with them
+    their process groups). Each parameter keeps its local rows (``.data``, shape
+    ``(rows_r, *rest)``, a view of the dropped unit's shard) until the caller gives it a full
+    tensor again (``p.data = full``), as `meshrun.parallel.elastic` does when the world
+    changes in place: the old world's groups are gone, the module and its optimizer live on,
+    and `fully_shard` is then applied again over the new group. Local, no communication.
+
+    Returns:
+        The parameters that were sharded, in the order of ``module.named_parameters()``.
+    """
+    released = []
+    for m in list(module.modules()):
+        unit = getattr(m, "_fsdp_unit", None)
+        if unit is None:
+            continue
+        unit._install(unit.params)  # the sharded Parameter objects, not a forward's tensors
+        for handle in unit.undo.handles:
+            handle.remove()
+        for p, was in zip(unit.params, unit.undo.placements, strict=True):
+            del p._fsdp_unit
+            p.grad = None
+            placement.restore(p, was)
+            released.append(p)
+        m.__class__ = unit.undo.cls
+        del m._fsdp_unit
+    order = {id(p): i for i, p in enumerate(module.parameters())}
+    return sorted(released, key=lambda p: order.get(id(p), len(order)))
 
 
 def _groups(group, mesh):

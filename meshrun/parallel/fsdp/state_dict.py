@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["full_state_dict", "register_state_dict_hooks"]
 
 
-def register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
-    """Make ``module.state_dict()`` return DTensors and ``load_state_dict`` accept them."""
-    placement.register_state_dict_hooks(
+def register_state_dict_hooks(module: nn.Module, unit: Unit) -> list:
+    """Make ``module.state_dict()`` return DTensors and ``load_state_dict`` accept them;
+    returns the hooks' handles."""
+    return placement.register_state_dict_hooks(
         module, [(fqn, p) for p, fqns in zip(unit.params, unit.fqns, strict=True) for fqn in fqns])

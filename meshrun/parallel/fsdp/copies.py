@@ -1,0 +1,423 @@
+"""Neighbour copies: a fully sharded model that survives the loss of a node without a checkpoint.
+
+Under `fully_shard` each rank holds the only copy of its rows of every parameter and of their
+optimizer state, so a node lost takes those rows with it. `Copies` keeps, on each rank, what
+`meshrun.parallel.elastic` needs to rebuild the whole model in memory after one node's loss:
+
+- **its own snapshot**: its packed rows (parameters, then each optimizer state tensor of the
+  parameter's shape: Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum) and what every
+  rank holds whole (the other values of the loop's ``state``, buffers, unsharded parameters,
+  the optimizers' scalars and hyper-parameters, the RNG state), taken at a step's start;
+- **its neighbour's packed rows**, from the same step: rank r sends its rows to its *keeper*,
+  the rank with r's local rank (modulo that node's size) on the next node, so the keeper is
+  on another node whenever the world spans several.
+
+`refresh` takes both every ``every`` steps (one point-to-point exchange: each rank sends
+1/N of the model and its optimizer state and receives as much per rank it keeps). After a
+change of world, `restore` finds, for every old rank, a survivor that holds its rows at one
+common step (its owner, or its keeper when the owner's node was lost), broadcasts them to the
+new world, whose ranks (joiners included) then hold the full model and optimizer state at
+that step, as if no strategy had been applied; the script's ``build()`` shards it again over
+the new world and `after_build` cuts the optimizer state to the new rows. Steps done since
+that step are trained again (``every`` 1: none). When the copies do not cover every old rank
+(two nodes lost together, a node lost during the exchange itself, copies off), `restore`
+says so and the caller falls back to the last checkpoint.
+
+Packing is per parameter and independent of how the parameters were grouped into units:
+parameter ``(d0, *rest)`` over N ranks takes ``ceil(d0 / N)`` rows (torch.chunk's, padded),
+so a joiner, whose model is not sharded yet, can unpack what it receives. Limits: FSDP over
+the whole world (no HSDP, TP or PP in the same model, for now); nodes of equal size for the
+keeper to be on another node in every case; the full model and optimizer state are held on
+every rank for the moment of the restore.
+
+The idea of keeping a peer's state in memory for fast recovery is Gemini's (Wang et al.,
+"GEMINI: Fast Failure Recovery in Distributed Training with In-Memory Checkpoints", SOSP 2023)
+and of DeepSpeed-style "checkpoint to a neighbour's memory"; here the copy is refreshed by
+the training loop itself and used by the in-place recovery of `meshrun.parallel.elastic`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.parallel._comm import group_device
+
+__all__ = ["Copies", "NotCovered"]
+
+
+class NotCovered(RuntimeError):
+    """The survivors do not hold every old rank's rows at one common step."""
+
+
+@dataclass
+class _Layout:
+    """Where each sharded parameter's rows (and its optimizer state's) sit in a packed rank.
+
+    ``names[i]`` has unsharded shape ``shapes[i]``, optimizer state keys ``keys[i]`` (tensors
+    of the parameter's local shape) and ``rows[i] = ceil(shapes[i][0] / world_size)`` rows per
+    rank; a packed rank is, parameter after parameter, ``1 + len(keys[i])`` blocks of
+    ``rows[i] * prod(shapes[i][1:])`` elements, the rank's own rows first in each block."""
+
+    world_size: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    keys: list[list[str]]
+    dtype: str  # the parameters' dtype, as torch names it ("float32")
+
+    def rows(self, i: int) -> int:
+        return math.ceil(self.shapes[i][0] / self.world_size)
+
+    def rows_of(self, i: int, rank: int) -> int:
+        return max(0, min(self.rows(i), self.shapes[i][0] - rank * self.rows(i)))
+
+    def block(self, i: int) -> int:
+        return self.rows(i) * math.prod(self.shapes[i][1:])
+
+    @property
+    def numel(self) -> int:
+        return sum(self.block(i) * (1 + len(self.keys[i])) for i in range(len(self.names)))
+
+    def as_dict(self) -> dict:
+        return {"world_size": self.world_size, "names": self.names, "shapes": self.shapes,
+                "keys": self.keys, "dtype": self.dtype}
+
+    def empty(self, device) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=getattr(torch, self.dtype), device=device)
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    packed: torch.Tensor
+
+
+class Copies:
+    """This rank's snapshots for in-place recovery of fully sharded state (module docstring).
+
+    Args:
+        every: refresh every this many steps (1: at every step's start, nothing is trained
+            twice after a loss; 0: never: a lost node's rows are then only on disk).
+    """
+
+    def __init__(self, every: int = 1):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"neighbour copies: every must be an int >= 0 (got {every!r})")
+        self.every = every
+        self.world: tuple[int, int] | None = None  # (round, world size) of the snapshots
+        self.rank: int | None = None  # this rank in that world
+        self.layout: _Layout | None = None
+        self.held: dict[int, _Snapshot] = {}  # rank in that world -> its rows at a step
+        self.whole: dict | None = None  # what every rank holds whole, at held[rank].step
+        self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
+        self._neighbours: tuple[tuple[int, int], list[int], list[int]] | None = None
+
+    # -- while training ---------------------------------------------------------------------
+
+    def refresh(self, state: MutableMapping, round: int) -> bool:
+        """At the start of step ``state["step"]``: snapshot this rank and exchange with the
+        keeper (a collective: every rank calls it at the same step). The snapshots replace
+        the previous ones only once the exchange completed on this rank, so a node lost
+        during it leaves every rank with one consistent generation. Returns whether it ran
+        (a refresh step, the model fully sharded)."""
+        step = int(state["step"])
+        if not _sharded(state):
+            return False
+        world = (round, dist.get_world_size())
+        if self.world != world:  # a new world: the old copies are of no use in it
+            self.world, self.rank, self.held = world, dist.get_rank(), {}
+            self.layout = self._take(state, world, pack=False)[0]  # shapes, for `restore`
+        if not self.every or step % self.every:
+            return False
+        if self.rank in self.held and self.held[self.rank].step == step:
+            return False  # a retried step: the copies of its start are in place
+        taken = self._take(state, world)
+        if self._neighbours is None or self._neighbours[0] != world:
+            self._neighbours = (world, *_neighbours())
+        _, keepers, sources = self._neighbours
+        mine = taken[1]
+        inbox = {src: torch.empty_like(mine) for src in sources}
+        ops = [dist.P2POp(dist.isend, mine, keeper) for keeper in keepers]
+        ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self._commit(world, step, taken, {src: _Snapshot(step, buf) for src, buf in inbox.items()})
+        return True
+
+    def keep_own(self, state: MutableMapping, round: int) -> None:
+        """Snapshot this rank's rows and whole state at ``state["step"]`` (local: no
+        communication), keeping the neighbours' copies: `meshrun.parallel.elastic` calls it
+        before it leaves a world at a step boundary (nodes join: every owner is alive and
+        its current rows are what the new world needs)."""
+        if not _sharded(state):
+            return
+        world = (round, dist.get_world_size())
+        others = {r: c for r, c in self.held.items() if r != self.rank} \
+            if self.world == world else {}
+        self._commit(world, int(state["step"]), self._take(state, world), others)
+
+    def _take(self, state: MutableMapping, world: tuple[int, int], pack: bool = True):
+        """(layout, packed rows, whole state) of this rank now (``pack`` False: the layout
+        alone); nothing is kept yet."""
+        params = _sharded(state)
+        for name, p in params:
+            if p._fsdp_unit.world_size != world[1]:
+                raise RuntimeError(f"neighbour copies: {name!r} is sharded over "
+                                   f"{p._fsdp_unit.world_size} of {world[1]} ranks; only FSDP "
+                                   f"over the whole world is supported (for now: not HSDP, "
+                                   f"TP or PP)")
+        optimizers = _optimizers(state)
+        layout = _Layout(world[1], [n for n, _ in params],
+                         [tuple(_unit_shape(p)) for _, p in params],
+                         [_shard_keys(optimizers, p) for _, p in params],
+                         str(params[0][1].dtype).removeprefix("torch."))
+        if not pack:
+            return layout, None, None
+        packed = layout.empty(params[0][1].device)
+        offset = 0
+        for i, (_, p) in enumerate(params):
+            for t in [p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]:
+                packed[offset:offset + t.numel()].copy_(t.reshape(-1))
+                offset += layout.block(i)
+        return layout, packed, _whole(state, {id(p) for _, p in params})
+
+    def _commit(self, world, step: int, taken, others: dict[int, _Snapshot]) -> None:
+        layout, packed, whole = taken
+        self.world, self.rank, self.layout, self.whole = world, dist.get_rank(), layout, whole
+        self.held = {**others, self.rank: _Snapshot(step, packed)}
+
+    # -- after a change of world ------------------------------------------------------------
+
+    def holdings(self, state: MutableMapping) -> dict:
+        """What this rank can give the new world (all-gathered by the loop)."""
+        return {"world": self.world, "rank": self.rank,
+                "tags": {r: s.step for r, s in self.held.items()},
+                "own": self.held[self.rank].step if self.rank in self.held else None,
+                "layout": self.layout.as_dict() if self.layout is not None else None,
+                "step": int(state["step"])}
+
+    def restore(self, state: MutableMapping, gathered: list[dict]) -> str | None:
+        """Rebuild the full model and optimizer state in ``state`` from the survivors' copies
+        (a collective of the new world; ``gathered``: every rank's `holdings`, by new rank).
+
+        Returns None when no rank held fully sharded state (nothing to do), else a line
+        saying what was used.
+
+        Raises:
+            NotCovered: some old rank's rows are not held at one common step; the model's
+                sharded parameters are then set to zeros of their full shape (a checkpoint
+                must be loaded).
+        """
+        worlds = {tuple(g["world"]) for g in gathered if g["world"] is not None}
+        if not worlds:
+            return None
+        try:
+            step, providers, whole_from = _plan(gathered, worlds)
+        except NotCovered:
+            self._zeros(state, gathered)
+            raise
+        layout = _Layout(**gathered[whole_from]["layout"])
+        me = dist.get_rank()
+        ranks = []
+        for old, src in enumerate(providers):
+            buf = self.held[old].packed if me == src else layout.empty(group_device(None))
+            dist.broadcast(buf, src=src)
+            ranks.append(buf)
+        box = [self.whole if me == whole_from else None]
+        dist.broadcast_object_list(box, src=whole_from)
+        self._apply(state, layout, ranks, box[0])
+        self.held, self.whole, self.world, self.rank = {}, None, None, None
+        return (f"the fully sharded state of step {step} from memory (the old world's "
+                f"{layout.world_size} ranks' rows from ranks {sorted(set(providers))} of "
+                f"this one)")
+
+    def after_build(self) -> None:
+        """After ``build()`` sharded the restored model again: cut each restored optimizer
+        state tensor (full shape) to this rank's new rows."""
+        for p, optimizer, key in self._restored:
+            unit = getattr(p, "_fsdp_unit", None)
+            if unit is None:
+                continue  # build() left it whole
+            slot = unit.layout.slots[next(i for i, q in enumerate(unit.params) if q is p)]
+            start = unit.rank * slot.rows
+            full = optimizer.state[p][key]
+            optimizer.state[p][key] = full[start:start + slot.rows_of(unit.rank)].clone()
+        self._restored = []
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _zeros(self, state, gathered: list[dict]) -> None:
+        """Not covered: give each sharded parameter zeros of its full shape and drop its
+        optimizer state, so that ``build()`` can shard the model again for a checkpoint's
+        load."""
+        layout = _Layout(**next(g["layout"] for g in gathered if g["layout"] is not None))
+        named = dict(_named_params(state))
+        for name, shape in zip(layout.names, layout.shapes, strict=True):
+            p = named[name]
+            p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            p.grad = None
+            for optimizer in _optimizers(state):
+                optimizer.state.pop(p, None)
+        self.held, self.whole, self.world, self.rank = {}, None, None, None
+
+    def _apply(self, state, layout: _Layout, ranks: list[torch.Tensor], whole: dict) -> None:
+        named = dict(_named_params(state))
+        optimizers = _optimizers(state)
+        self._restored = []
+        offsets = [0] * len(ranks)
+        for i, name in enumerate(layout.names):
+            p = named[name]
+            shape = layout.shapes[i]
+            tensors = []
+            for _ in range(1 + len(layout.keys[i])):
+                full = torch.empty(shape, dtype=ranks[0].dtype, device=ranks[0].device)
+                flat = full.view(-1)
+                per_row = math.prod(shape[1:])
+                for old, packed in enumerate(ranks):
+                    n = layout.rows_of(i, old) * per_row
+                    start = old * layout.block(i)
+                    flat[start:start + n].copy_(packed[offsets[old]:offsets[old] + n])
+                    offsets[old] += layout.block(i)
+                tensors.append(full)
+            p.data = tensors[0].to(p.dtype)
+            p.grad = None
+            for optimizer in optimizers:
+                if any(p is q for g in optimizer.param_groups for q in g["params"]):
+                    entry = {k: v.clone() for k, v in whole["scalars"].get(name, {}).items()}
+                    for key, t in zip(layout.keys[i], tensors[1:], strict=True):
+                        entry[key] = t
+                        self._restored.append((p, optimizer, key))
+                    optimizer.state[p] = entry
+        _set_whole(state, whole)
+
+
+def _plan(gathered: list[dict], worlds: set) -> tuple[int, list[int], int]:
+    """(step, the new rank providing each old rank's rows, the new rank providing the whole
+    state) from every rank's holdings, the same on every rank."""
+    if len(worlds) != 1:
+        raise NotCovered(f"the ranks' copies come from {len(worlds)} different worlds")
+    (_round, old_world), = worlds
+    steps = sorted({t for g in gathered for t in g["tags"].values()}, reverse=True)
+    for step in steps:
+        providers = []
+        for old in range(old_world):
+            holders = [new for new, g in enumerate(gathered)
+                       if g["world"] is not None and g["tags"].get(old) == step]
+            if not holders:
+                break
+            providers.append(holders[0])
+        else:
+            owners = [new for new, g in enumerate(gathered) if g["own"] == step]
+            layouts = {repr(gathered[new]["layout"]) for new in owners}
+            if owners and len(layouts) == 1:
+                return step, providers, owners[0]
+    lost = sorted(set(range(old_world)) - {int(r) for g in gathered for r in g["tags"]})
+    raise NotCovered(f"no step at which the survivors hold the rows of all {old_world} old "
+                     f"ranks" + (f" (nobody holds rank(s) {lost})" if lost else ""))
+
+
+def _named_params(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
+    """``(<state key>.<parameter name>, parameter)`` of every module in ``state``."""
+    return [(f"{key}.{name}", p) for key in sorted(state, key=str)
+            if isinstance(state[key], nn.Module)
+            for name, p in state[key].named_parameters()]
+
+
+def _sharded(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in _named_params(state) if getattr(p, "_fsdp_unit", None)]
+
+
+def _optimizers(state: MutableMapping) -> list[torch.optim.Optimizer]:
+    return [state[k] for k in sorted(state, key=str)
+            if isinstance(state[k], torch.optim.Optimizer)]
+
+
+def _state_of(optimizers, p) -> dict:
+    for optimizer in optimizers:
+        if p in optimizer.state:
+            return optimizer.state[p]
+    return {}
+
+
+def _shard_keys(optimizers, p) -> list[str]:
+    """The optimizer state keys of ``p`` that hold per-row values (the parameter's shape)."""
+    return sorted(k for k, v in _state_of(optimizers, p).items()
+                  if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape)
+
+
+def _unit_shape(p) -> torch.Size:
+    unit = p._fsdp_unit
+    return unit.layout.slots[next(i for i, q in enumerate(unit.params) if q is p)].shape
+
+
+def _whole(state: MutableMapping, sharded: set[int]) -> dict:
+    """What every rank holds whole: copies, so that training on does not change them."""
+    values, buffers, params, groups, scalars = {}, {}, {}, {}, {}
+    for key in sorted(state, key=str):
+        value = state[key]
+        if isinstance(value, nn.Module):
+            buffers[key] = {n: b.detach().clone() for n, b in value.named_buffers()}
+            params[key] = {n: p.detach().clone() for n, p in value.named_parameters()
+                           if id(p) not in sharded}
+        elif isinstance(value, torch.optim.Optimizer):
+            groups[key] = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                           for g in value.param_groups]
+        elif key != "step":
+            values[key] = copy.deepcopy(value)
+    names = {id(p): n for n, p in _named_params(state)}
+    for optimizer in _optimizers(state):
+        for p, entry in optimizer.state.items():
+            if id(p) in sharded:
+                scalars[names[id(p)]] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                         for k, v in entry.items()
+                                         if not (torch.is_tensor(v) and v.dim() > 0
+                                                 and v.shape == p.shape)}
+    return {"values": values, "buffers": buffers, "params": params, "groups": groups,
+            "scalars": scalars, "rng": torch.get_rng_state(), "step": int(state["step"])}
+
+
+def _set_whole(state: MutableMapping, whole: dict) -> None:
+    for key in sorted(state, key=str):
+        value = state[key]
+        if isinstance(value, nn.Module):
+            with torch.no_grad():
+                for n, b in value.named_buffers():
+                    b.copy_(whole["buffers"][key][n])
+                for n, p in value.named_parameters():
+                    if n in whole["params"][key]:
+                        p.data = whole["params"][key][n].to(p.device)
+        elif isinstance(value, torch.optim.Optimizer):
+            for group, saved in zip(value.param_groups, whole["groups"][key], strict=True):
+                group.update(saved)
+    for key, value in whole["values"].items():
+        state[key] = value
+    state["step"] = whole["step"]
+    torch.set_rng_state(whole["rng"])
+
+
+def _neighbours() -> tuple[list[int], list[int]]:
+    """(the ranks this rank sends its rows to, the ranks it receives rows from): rank r's
+    keeper is on the next node (by node rank, cyclic), at r's local rank modulo that node's
+    size; none when the world is one node."""
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", 0)))
+    order = sorted(set(nodes))
+    if len(order) < 2:
+        return [], []
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+
+    def keeper(r: int) -> int:
+        node = nodes[r]
+        nxt = order[(order.index(node) + 1) % len(order)]
+        return members[nxt][members[node].index(r) % len(members[nxt])]
+
+    me = dist.get_rank()
+    return [keeper(me)], [r for r in range(len(nodes)) if r != me and keeper(r) == me]

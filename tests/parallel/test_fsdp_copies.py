@@ -1,0 +1,44 @@
+"""Neighbour copies of fully sharded state (meshrun.parallel.fsdp.copies): seeded trials on 4
+gloo processes posing as 2 nodes (workers/fsdp_copies.py, one launch). A node is lost and a
+fresh process joins; the new world of 3 restores from the copies, shards again and trains
+on; its final parameters must be those of one process that trained every step on the whole
+batch. The loop end to end (agents, kill -9) is tests/faults/test_elastic_in_place.py."""
+
+import pytest
+from harness import launch
+
+
+@pytest.fixture(scope="module")
+def trials():
+    result = launch("fsdp_copies.py", nproc=4, timeout=150)
+    assert result.results and all(r.get("trials") for r in result.results), result.output
+    return result.results
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_node_is_restored_from_its_neighbours_copies(trials):
+    for rank in (0, 1, 3):  # rank 2's node was lost
+        for t in trials[rank]["trials"]:
+            if t["every"] == 0:
+                continue
+            assert t["covered"], t
+            # the state of the last refresh: the steps since are trained again
+            assert t["step"] == t["expect_step"] and t["position"] == 12 * t["step"], t
+            assert t["max_diff"] < 1e-5, t  # then trained on: the reference's parameters
+            assert "from memory (the old world's 4 ranks' rows" in t["used"], t
+
+
+@pytest.mark.timeout(180)
+def test_without_copies_the_restore_says_it_is_not_covered(trials):
+    for rank in (0, 1, 3):
+        (t,) = [t for t in trials[rank]["trials"] if t["every"] == 0]
+        assert not t["covered"] and "no step at which the survivors hold" in t["why"], t
+        assert t["full_shapes"], t  # for a checkpoint's load
+
+
+@pytest.mark.timeout(180)
+def test_the_trials_cover_both_optimizers_frozen_layers_and_stale_copies(trials):
+    ts = trials[0]["trials"]
+    assert {t["optim"] for t in ts} == {"adamw", "sgd"}, ts
+    assert any(t["frozen"] is not None for t in ts), ts
+    assert any(t["every"] and t["step"] < t["lost_at"] for t in ts), ts  # steps trained again

@@ -1,0 +1,160 @@
+"""Neighbour copies of fully sharded state (meshrun.parallel.fsdp.copies), on 4 gloo processes
+posing as 2 nodes of 2 (GROUP_RANK = rank // 2).
+
+Each seeded trial draws a model (Linear layers of random sizes, rows fewer than ranks
+included, a frozen layer sometimes), an optimizer (AdamW or SGD with momentum) and a refresh
+interval, and trains it with `fully_shard` over the 4 ranks, refreshing the copies at each
+step's start. At a random step one node is lost: rank 2 leaves, and rank 3 comes back as a
+joiner (a fresh process would: a plain model of other values, an empty optimizer, no copies).
+The three then form a new world (their ranks permuted), restore the state from the
+copies, shard it again over 3 and train to the end. Reference: one process training every
+step on the whole global batch, never sharded; the final parameters must match it (so must
+the optimizer state, or the later steps would drift), and the steps trained again must be
+exactly those since the last refresh. One trial with copies off checks that `restore` says
+it is not covered.
+"""
+
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.parallel import fully_shard
+from meshrun.parallel.context import init, rejoin
+from meshrun.parallel.elastic import _teardown
+from meshrun.parallel.fsdp.copies import Copies, NotCovered
+from meshrun.parallel.placement import full_tensor, of
+from tests.parallel.harness import RESULTS_ENV, exit_without_teardown, report
+
+GLOBAL_BATCH, STEPS, D_IN = 12, 6, 5  # 12 rows split over 4, 3 or 1 ranks
+
+
+def _model(spec, seed):
+    torch.manual_seed(seed)
+    dims = [D_IN, *spec["hidden"], 2]
+    layers = [nn.Linear(a, b, bias=i % 2 == 0) for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False))]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())][:-1])
+    if spec["frozen"] is not None:
+        model[2 * spec["frozen"]].weight.requires_grad_(False)
+    return model
+
+
+def _optimizer(spec, model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec["optim"] == "adamw":
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, D_IN, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
+
+
+def _train_step(model, optimizer, step, rank, world):
+    x, y = _batch(step)
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    optimizer.zero_grad(set_to_none=True)
+    (model(x[rows]) - y[rows]).square().mean().backward()  # fsdp averages over the ranks
+    optimizer.step()
+
+
+def _shard(model):
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+
+
+def _new_world(name, rank, world, host):
+    """Leave the current world (if any) and join ``name``'s, hosted by ``host`` (its port in a
+    file of the results directory)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    path = Path(os.environ[RESULTS_ENV]) / f"port_{name}"
+    store = None
+    if host:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+        path.write_text(str(store.port))
+    while not path.exists() or not path.read_text():
+        time.sleep(0.01)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=path.read_text(), RANK=str(rank),
+                      WORLD_SIZE=str(world), GROUP_RANK=str(rank // 2))
+    rejoin()
+    return store
+
+
+def trial(seed, me):
+    rnd = random.Random(seed)
+    spec = {"hidden": [rnd.randint(1, 9) for _ in range(rnd.randint(1, 3))],
+            "frozen": None, "optim": rnd.choice(["adamw", "sgd"])}
+    if rnd.random() < 0.5:
+        spec["frozen"] = rnd.randrange(len(spec["hidden"]) + 1)
+    every = rnd.choice([1, 2, 3]) if seed else 0
+    lost_at = rnd.randint(1, STEPS - 1)  # at this step's start, after its refresh if any
+    order = rnd.sample([0, 1, 3], 3)  # old rank -> new rank by position
+
+    reference = _model(spec, seed)
+    ref_opt = _optimizer(spec, reference)
+    for step in range(STEPS):
+        _train_step(reference, ref_opt, step, 0, 1)
+
+    stores = [_new_world(f"{seed}a", me, 4, me == 0)]
+    model = _model(spec, seed)
+    _shard(model)
+    optimizer = _optimizer(spec, model)
+    state = {"model": model, "optim": optimizer, "position": 0, "step": 0}
+    copies = Copies(every)
+    while True:
+        copies.refresh(state, round=seed * 10)
+        if state["step"] == lost_at:
+            break
+        _train_step(model, optimizer, state["step"], me, 4)
+        state["step"] += 1
+        state["position"] += GLOBAL_BATCH
+    _teardown(state)
+    result = {}
+    if me != 2:  # rank 2's node is lost; rank 3 comes back as a fresh process would
+        if me == 3:
+            model = _model(spec, seed + 77)
+            optimizer = _optimizer(spec, model)
+            state = {"model": model, "optim": optimizer, "position": -1, "step": 0}
+            copies = Copies(every)
+        new_rank = order.index(me)
+        stores.append(_new_world(f"{seed}b", new_rank, 3, new_rank == 0))
+        holdings = [None] * 3
+        dist.all_gather_object(holdings, copies.holdings(state))
+        try:
+            used = copies.restore(state, holdings)
+        except NotCovered as e:
+            result = {"covered": False, "why": str(e),  # full shapes, for a checkpoint's load
+                      "full_shapes": [tuple(p.shape) for p in model.parameters()]
+                      == [tuple(p.shape) for p in reference.parameters()]}
+        else:
+            result = {"covered": True, "used": used, "step": state["step"],
+                      "position": state["position"]}
+            _shard(model)
+            copies.after_build()
+            for step in range(state["step"], STEPS):
+                _train_step(model, optimizer, step, new_rank, 3)
+            diffs = [(full_tensor(of(p), p.detach()) - q).abs().max().item()
+                     for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
+            result["max_diff"] = max(diffs)
+        _teardown(state)
+    stores.append(_new_world(f"{seed}c", me, 4, me == 0))  # everyone, for the next trial
+    dist.barrier()
+    last_refresh = lost_at - lost_at % max(every, 1)
+    return {"seed": seed, "every": every, "lost_at": lost_at, "expect_step": last_refresh,
+            "frozen": spec["frozen"], "optim": spec["optim"], **result}
+
+
+if __name__ == "__main__":
+    ctx = init(timeout=60)
+    trials = [trial(seed, ctx.rank) for seed in range(7)]
+    report({"trials": trials})
+    dist.destroy_process_group()
+    exit_without_teardown()
