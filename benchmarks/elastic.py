@@ -477,9 +477,104 @@ def part2(args: argparse.Namespace) -> None:
           "loads read what the save just wrote, mostly from memory: both sides alike.\n")
 
 
+def copies_worker(rank: int, port: int, args: dict, out: str) -> None:
+    """Part 3, one of the 2 ranks: the example's char LM under meshrun's fully_shard, AdamW,
+    trained in blocks of ``block`` steps per mode, the modes' order rotating per round."""
+    import torch
+    import torch.distributed as dist
+    from _common import init_gloo_pair, make_char_lm
+
+    init_gloo_pair(rank, port)
+    os.environ["GROUP_RANK"] = str(rank)  # two nodes of one rank: each keeps the other's rows
+    sys.path.insert(0, str(REPO / "examples"))
+    from char_lm.parallelize import apply_fsdp
+
+    from meshrun.parallel.fsdp.copies import Copies
+
+    model, batch, loss_fn = make_char_lm()
+    apply_fsdp(model, None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": optimizer, "step": 0}
+    modes = {"off": None, "every 1": Copies(1), f"every {args['every']}": Copies(args["every"])}
+    times = {m: [] for m in modes}
+    refresh = {m: [] for m in modes}
+
+    def step(copies):
+        t0 = time.perf_counter()
+        if copies is not None and copies.refresh(state, 0):
+            refresh_s = time.perf_counter() - t0
+        else:
+            refresh_s = None
+        x, y = batch(state["step"], rank)
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, x, y).backward()
+        optimizer.step()
+        state["step"] += 1
+        return refresh_s
+
+    for _ in range(args["warmup"]):
+        step(modes[f"every {args['every']}"])
+    names = list(modes)
+    for r in range(args["rounds"]):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args["block"]):
+                took = step(modes[name])
+                if took is not None:
+                    refresh[name].append(took)
+            dt = torch.tensor([(time.perf_counter() - t0) / args["block"]], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slower rank counts
+            times[name].append(dt.item())
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters()) * 2  # each rank: half the rows
+        Path(out).write_text(json.dumps({"times": times, "refresh": refresh,
+                                         "params": n_params}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def part3(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(REPO))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    every = args.copy_every
+    print(f"## Part 3: the cost of neighbour copies (meshrun.parallel.fsdp.copies) per step "
+          f"(2 ranks posing as 2 nodes, gloo; the example's char LM under fully_shard, AdamW; "
+          f"{args.copy_rounds} rounds of {args.copy_block} steps per mode, the order rotating, "
+          f"after {args.copy_warmup} warm-up steps)\n")
+    base = tempfile.mkdtemp(prefix="elastic_copies_")
+    out = os.path.join(base, "results.json")
+    try:
+        wargs = {"every": every, "rounds": args.copy_rounds, "block": args.copy_block,
+                 "warmup": args.copy_warmup}
+        mp.spawn(copies_worker, args=(free_port(), wargs, out), nprocs=2)
+        res = json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    med = {m: statistics.median(v) for m, v in res["times"].items()}
+    print(f"model: {res['params'] / 1e6:.2f}M parameters (each rank holds half the rows, and "
+          f"with copies the other rank's half too: parameters and AdamW's two moments)\n")
+    print("| copies | step (ms, median of blocks) | vs off | refresh alone (ms, median) |")
+    print("|---|---|---|---|")
+    for m, t in med.items():
+        ref = statistics.median(res["refresh"][m]) * 1e3 if res["refresh"][m] else None
+        print(f"| {m} | {t * 1e3:.1f} | {t / med['off'] - 1:+.1%} | "
+              f"{'' if ref is None else f'{ref:.1f}'} |")
+    blocks = "; ".join(f"{m}: " + ", ".join(f"{v * 1e3:.0f}" for v in vals)
+                       for m, vals in res["times"].items())
+    print(f"\nblocks (ms/step): {blocks}\n")
+    chosen = f"every {every}"
+    cost = med[chosen] / med["off"] - 1
+    print(f"target (copies at most 5 % of step time at the interval chosen, {chosen}): "
+          f"{'met' if cost <= 0.05 else 'MISSED'} ({cost:+.1%}); every 1: "
+          f"{med['every 1'] / med['off'] - 1:+.1%}\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("1", "2", "all"), default="all")
+    ap.add_argument("--part", choices=("1", "2", "3", "all"), default="all")
     ap.add_argument("--rounds", type=int, default=3, help="part 1: rounds per launcher")
     ap.add_argument("--cap", type=float, default=120.0,
                     help="part 1: seconds to wait for recovery after the kill")
@@ -494,6 +589,11 @@ def main() -> int:
                     help="part 2: where to write checkpoints (default: the temp directory)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="part 1: write every round's agent logs here")
+    ap.add_argument("--copy-every", type=int, default=4,
+                    help="part 3: the refresh interval measured beside every 1 and off")
+    ap.add_argument("--copy-rounds", type=int, default=5, help="part 3: blocks per mode")
+    ap.add_argument("--copy-block", type=int, default=8, help="part 3: steps per block")
+    ap.add_argument("--copy-warmup", type=int, default=4, help="part 3: untimed steps")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     began = print_start()
@@ -501,6 +601,8 @@ def main() -> int:
         part1(args)
     if args.part in ("2", "all"):
         part2(args)
+    if args.part in ("3", "all"):
+        part3(args)
     print_end(began)
     return 0
 

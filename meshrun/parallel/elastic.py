@@ -197,6 +197,7 @@ def steps(
         torch.set_rng_state(rng)  # the step is tried again from its own start
         error, attempt = attempt.error, None  # the attempt's world is the old one's
         loop.change_world(error)
+    loop.copies.settle(failed_ok=True)  # the last exchange of copies: nothing waits for it
 
 
 class _OfferWatch:
@@ -302,6 +303,9 @@ class _Loop:
         from meshrun.parallel.context import rejoin
 
         t0 = time.monotonic()
+        if error is not None:  # an exchange of copies in flight fails now, or is complete
+            shut_down_world_sockets()
+        self.copies.settle(failed_ok=True)
         if error is None:  # nodes join at a step boundary: every owner's rows are current
             self.copies.keep_own(self.state, self.round)
         while True:

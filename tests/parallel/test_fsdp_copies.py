@@ -37,8 +37,9 @@ def test_without_copies_the_restore_says_it_is_not_covered(trials):
 
 
 @pytest.mark.timeout(180)
-def test_the_trials_cover_both_optimizers_frozen_layers_and_stale_copies(trials):
+def test_the_trials_cover_optimizers_frozen_layers_and_exchanges_in_flight(trials):
     ts = trials[0]["trials"]
     assert {t["optim"] for t in ts} == {"adamw", "sgd"}, ts
     assert any(t["frozen"] is not None for t in ts), ts
     assert any(t["every"] and t["step"] < t["lost_at"] for t in ts), ts  # steps trained again
+    assert any(t["every"] and not t["settled"] for t in ts), ts  # lost mid-exchange

@@ -118,15 +118,18 @@ class Copies:
         self.whole: dict | None = None  # what every rank holds whole, at held[rank].step
         self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
         self._neighbours: tuple[tuple[int, int], list[int], list[int]] | None = None
+        self._pending: tuple | None = None  # the exchange in flight (see `settle`)
 
     # -- while training ---------------------------------------------------------------------
 
     def refresh(self, state: MutableMapping, round: int) -> bool:
-        """At the start of step ``state["step"]``: snapshot this rank and exchange with the
-        keeper (a collective: every rank calls it at the same step). The snapshots replace
-        the previous ones only once the exchange completed on this rank, so a node lost
-        during it leaves every rank with one consistent generation. Returns whether it ran
-        (a refresh step, the model fully sharded)."""
+        """At the start of step ``state["step"]``: snapshot this rank and start the exchange
+        with the keeper (a collective: every rank calls it at the same step; the transfer
+        overlaps the step, the next call or `settle` waits for it). The snapshots replace the
+        previous ones only once the exchange completed on this rank, so a node lost during it
+        leaves every rank with one consistent generation (the previous one). Returns whether
+        it ran (a refresh step, the model fully sharded)."""
+        self.settle()  # the previous exchange, overlapped with the step since
         step = int(state["step"])
         if not _sharded(state):
             return False
@@ -146,11 +149,26 @@ class Copies:
         inbox = {src: torch.empty_like(mine) for src in sources}
         ops = [dist.P2POp(dist.isend, mine, keeper) for keeper in keepers]
         ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        self._commit(world, step, taken, {src: _Snapshot(step, buf) for src, buf in inbox.items()})
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self._pending = (world, step, taken, inbox, works)
         return True
+
+    def settle(self, failed_ok: bool = False) -> None:
+        """Wait for the exchange in flight (`refresh` only starts it: it overlaps the step)
+        and keep its snapshots. One that fails (a peer vanished) leaves the previous
+        generation in place, and its error propagates unless ``failed_ok``."""
+        if self._pending is None:
+            return
+        world, step, taken, inbox, works = self._pending
+        self._pending = None
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError:
+            if failed_ok:
+                return
+            raise
+        self._commit(world, step, taken, {src: _Snapshot(step, buf) for src, buf in inbox.items()})
 
     def keep_own(self, state: MutableMapping, round: int) -> None:
         """Snapshot this rank's rows and whole state at ``state["step"]`` (local: no
@@ -197,7 +215,8 @@ class Copies:
     # -- after a change of world ------------------------------------------------------------
 
     def holdings(self, state: MutableMapping) -> dict:
-        """What this rank can give the new world (all-gathered by the loop)."""
+        """What this rank can give the new world (all-gathered by the loop; call `settle`
+        first)."""
         return {"world": self.world, "rank": self.rank,
                 "tags": {r: s.step for r, s in self.held.items()},
                 "own": self.held[self.rank].step if self.rank in self.held else None,

@@ -96,6 +96,7 @@ def trial(seed, me):
         spec["frozen"] = rnd.randrange(len(spec["hidden"]) + 1)
     every = rnd.choice([1, 2, 3]) if seed else 0
     lost_at = rnd.randint(1, STEPS - 1)  # at this step's start, after its refresh if any
+    settled = rnd.random() < 0.6  # False: lost while that refresh's exchange was in flight
     order = rnd.sample([0, 1, 3], 3)  # old rank -> new rank by position
 
     reference = _model(spec, seed)
@@ -112,10 +113,13 @@ def trial(seed, me):
     while True:
         copies.refresh(state, round=seed * 10)
         if state["step"] == lost_at:
+            if settled:
+                copies.settle()
             break
         _train_step(model, optimizer, state["step"], me, 4)
         state["step"] += 1
         state["position"] += GLOBAL_BATCH
+    dist.barrier()  # every rank is done with the old world before any leaves it
     _teardown(state)
     result = {}
     if me != 2:  # rank 2's node is lost; rank 3 comes back as a fresh process would
@@ -148,7 +152,10 @@ def trial(seed, me):
     stores.append(_new_world(f"{seed}c", me, 4, me == 0))  # everyone, for the next trial
     dist.barrier()
     last_refresh = lost_at - lost_at % max(every, 1)
+    if not settled and last_refresh == lost_at:  # its exchange never completed: the one before
+        last_refresh -= max(every, 1)
     return {"seed": seed, "every": every, "lost_at": lost_at, "expect_step": last_refresh,
+            "settled": settled,
             "frozen": spec["frozen"], "optim": spec["optim"], **result}
 
 
