@@ -18,7 +18,10 @@ torch, joins a new process group and reads a checkpoint. Under `steps()` the wor
    again on the live modules, then the ranks agree on the state (`_agree`): every rank says
    how many steps it has done; if they differ, the rank that did most (the lowest such rank)
    broadcasts everything in ``state``; with data parallelism every survivor holds the whole
-   model and optimizer state, so no disk is read;
+   model and optimizer state, so no disk is read; a model sharded with ``fully_shard`` is
+   first rebuilt whole from the survivors' neighbour copies (`meshrun.parallel.fsdp.copies`:
+   each rank keeps a rank's rows of another node, refreshed every ``copy_every`` steps), and
+   ``build()`` shards it again;
 4. the step is tried again, now with the new world's data split (the script's global batch
    rule decides what each rank reads), so no step is lost and none is repeated.
 
