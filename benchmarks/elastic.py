@@ -553,23 +553,30 @@ def part3(args: argparse.Namespace) -> None:
         res = json.loads(Path(out).read_text())
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    med = {m: statistics.median(v) for m, v in res["times"].items()}
+    times = res["times"]
+    med = {m: statistics.median(v) for m, v in times.items()}
+    # each round ran every mode back to back: its ratio to that round's "off" block cancels
+    # the load's drift from round to round; the median over the rounds is the cost
+    paired = {m: statistics.median(t / o for t, o in zip(v, times["off"], strict=True)) - 1
+              for m, v in times.items()}
     print(f"model: {res['params'] / 1e6:.2f}M parameters (each rank holds half the rows, and "
           f"with copies the other rank's half too: parameters and AdamW's two moments)\n")
-    print("| copies | step (ms, median of blocks) | vs off | refresh alone (ms, median) |")
+    print("| copies | step (ms, median of blocks) | cost: median over rounds of the block's "
+          "time / that round's off block, - 1 | refresh call alone (ms, median; the "
+          "transfer overlaps the step) |")
     print("|---|---|---|---|")
     for m, t in med.items():
         ref = statistics.median(res["refresh"][m]) * 1e3 if res["refresh"][m] else None
-        print(f"| {m} | {t * 1e3:.1f} | {t / med['off'] - 1:+.1%} | "
+        print(f"| {m} | {t * 1e3:.1f} | {paired[m]:+.1%} | "
               f"{'' if ref is None else f'{ref:.1f}'} |")
     blocks = "; ".join(f"{m}: " + ", ".join(f"{v * 1e3:.0f}" for v in vals)
-                       for m, vals in res["times"].items())
+                       for m, vals in times.items())
     print(f"\nblocks (ms/step): {blocks}\n")
     chosen = f"every {every}"
-    cost = med[chosen] / med["off"] - 1
-    print(f"target (copies at most 5 % of step time at the interval chosen, {chosen}): "
-          f"{'met' if cost <= 0.05 else 'MISSED'} ({cost:+.1%}); every 1: "
-          f"{med['every 1'] / med['off'] - 1:+.1%}\n")
+    print(f"target (copies at most 5 % of step time at the interval chosen): every 1 "
+          f"{'met' if paired['every 1'] <= 0.05 else 'MISSED'} ({paired['every 1']:+.1%}), "
+          f"{chosen} {'met' if paired[chosen] <= 0.05 else 'MISSED'} "
+          f"({paired[chosen]:+.1%})\n")
 
 
 def main() -> int:
@@ -591,7 +598,7 @@ def main() -> int:
                     help="part 1: write every round's agent logs here")
     ap.add_argument("--copy-every", type=int, default=4,
                     help="part 3: the refresh interval measured beside every 1 and off")
-    ap.add_argument("--copy-rounds", type=int, default=5, help="part 3: blocks per mode")
+    ap.add_argument("--copy-rounds", type=int, default=12, help="part 3: blocks per mode")
     ap.add_argument("--copy-block", type=int, default=8, help="part 3: steps per block")
     ap.add_argument("--copy-warmup", type=int, default=4, help="part 3: untimed steps")
     ap.add_argument("--verbose", action="store_true")

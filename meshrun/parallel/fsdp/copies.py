@@ -128,7 +128,7 @@ class Copies:
         overlaps the step, the next call or `settle` waits for it). The snapshots replace the
         previous ones only once the exchange completed on this rank, so a node lost during it
         leaves every rank with one consistent generation (the previous one). Returns whether
-        it ran (a refresh step, the model fully sharded)."""
+        it ran (a refresh step, the model fully sharded, the world more than one node)."""
         self.settle()  # the previous exchange, overlapped with the step since
         step = int(state["step"])
         if not _sharded(state):
@@ -141,10 +141,12 @@ class Copies:
             return False
         if self.rank in self.held and self.held[self.rank].step == step:
             return False  # a retried step: the copies of its start are in place
-        taken = self._take(state, world)
         if self._neighbours is None or self._neighbours[0] != world:
             self._neighbours = (world, *_neighbours())
         _, keepers, sources = self._neighbours
+        if not keepers:  # one node: its loss is everyone's, no copy can help
+            return False
+        taken = self._take(state, world)
         mine = taken[1]
         inbox = {src: torch.empty_like(mine) for src in sources}
         ops = [dist.P2POp(dist.isend, mine, keeper) for keeper in keepers]
