@@ -2,8 +2,9 @@
 
 Usage (from the repository root, with the project's virtual environment):
 
-    .venv/bin/python benchmarks/elastic.py [--part 1|2|all] [--rounds 3] [--cap 120]
-                                           [--ckpt-rounds 5] [--verbose] [--keep-logs DIR]
+    .venv/bin/python benchmarks/elastic.py [--part 1|2|3|all] [--rounds 3] [--cap 120]
+                                           [--dp-mode ddp|fsdp] [--ckpt-rounds 5]
+                                           [--copy-every 4] [--verbose] [--keep-logs DIR]
 
 A quick development run (about a minute): ``--rounds 1 --ckpt-layers 2 --ckpt-rounds 1``.
 
@@ -38,6 +39,10 @@ load, the same script under both. In between, the re-rendezvous: meshrun's survi
 1 s last call; torchrun's survivor waits in the wait list of the finished two-node round
 until the dead node's keep-alive lapses (5 s x 3 from its last heartbeat), then alone in the
 new round for its 30 s last call.
+
+With ``--dp-mode fsdp`` all three train the example under meshrun's ``fully_shard``; in
+place, the dead node's shards then come from the survivor's neighbour copy (refreshed at
+every step's start, `meshrun.parallel.fsdp.copies`).
 
 Part 2, checkpoint save and load vs torch DCP: 2 ranks (torch.multiprocessing, gloo, one
 thread each) hold two copies of one model (``--ckpt-layers`` x nn.Linear(``--ckpt-width``,
@@ -146,7 +151,7 @@ class Round:
 
     def argv(self, is_host: bool) -> list[str]:
         return launcher_argv(self.launcher, f"127.0.0.1:{self.port}", f"elastic-{self.tag[:8]}",
-                             is_host, str(self.ckpt), self.args.steps)
+                             is_host, str(self.ckpt), self.args.steps, self.args.dp_mode)
 
     def start(self, is_host: bool) -> Agent:
         popen = subprocess.Popen(
@@ -172,7 +177,7 @@ class Round:
 
 
 def launcher_argv(launcher: str, endpoint: str, rdzv_id: str, is_host: bool, ckpt: str,
-                  steps: int) -> list[str]:
+                  steps: int, dp_mode: str = "ddp") -> list[str]:
     exe = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["-m", "meshrun"]
     keep = (["--elastic", "in-place"] if launcher == "in-place"
             else ["--checkpoint-dir", ckpt, "--checkpoint-every", "5"])
@@ -180,7 +185,7 @@ def launcher_argv(launcher: str, endpoint: str, rdzv_id: str, is_host: bool, ckp
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
             "--rdzv-conf", f"is_host={int(is_host)}", "--max-restarts", "3",
             str(EXAMPLE), "--steps", str(steps), "--batch-size", "8", "--log-every", "1",
-            *keep]
+            "--dp-mode", dp_mode, *keep]
 
 
 @dataclass
@@ -271,7 +276,7 @@ def part1(args: argparse.Namespace) -> None:
             env += "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
         for is_host in (True, False):
             argv = launcher_argv(launcher, "127.0.0.1:PORT", "elastic-ID", is_host,
-                                 "<tmp>/ckpt", args.steps)
+                                 "<tmp>/ckpt", args.steps, args.dp_mode)
             argv[0] = "python"
             argv = [a.replace(str(REPO) + "/", "") for a in argv]
             print(f"    {NAMES[launcher]} node {0 if is_host else 1}: {env}{shlex.join(argv)}")
@@ -477,6 +482,18 @@ def part2(args: argparse.Namespace) -> None:
           "loads read what the save just wrote, mostly from memory: both sides alike.\n")
 
 
+# -- part 3: what the neighbour copies cost per step ------------------------------------------
+# 2 ranks (torch.multiprocessing, gloo, one thread each), each posing as its own node
+# (GROUP_RANK), train the example's char LM (its defaults: batch 8 x 64 tokens) under
+# meshrun's fully_shard (a unit per block, then the root) with AdamW. Modes: no copies,
+# copies refreshed every step, every ``--copy-every`` steps; each round runs a block of
+# ``--copy-block`` steps per mode, back to back, the order rotating. The cost of a mode is the
+# median over the rounds of its block's time over that round's block without copies, - 1
+# (pairing within a round cancels the load's drift); the refresh call's own time is printed
+# beside it (the transfer itself overlaps the step). Target: at most 5 % of step time at the
+# interval chosen.
+
+
 def copies_worker(rank: int, port: int, args: dict, out: str) -> None:
     """Part 3, one of the 2 ranks: the example's char LM under meshrun's fully_shard, AdamW,
     trained in blocks of ``block`` steps per mode, the modes' order rotating per round."""
@@ -588,6 +605,9 @@ def main() -> int:
     ap.add_argument("--setup-cap", type=float, default=120.0,
                     help=f"part 1: seconds to wait for a two-node round and step_{KILL_AT}")
     ap.add_argument("--steps", type=int, default=200, help="part 1: the example's --steps")
+    ap.add_argument("--dp-mode", choices=("ddp", "fsdp"), default="ddp",
+                    help="part 1: the example's --dp-mode (fsdp: in place from the neighbour "
+                         "copies, every step)")
     ap.add_argument("--ckpt-rounds", type=int, default=5, help="part 2: timed rounds per side")
     ap.add_argument("--ckpt-warmup", type=int, default=1, help="part 2: untimed rounds")
     ap.add_argument("--ckpt-width", type=int, default=2048)
