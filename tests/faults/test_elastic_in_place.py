@@ -225,7 +225,7 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected, dp_mo
         assert "parameters identical on all 3 ranks: yes" in text, text
     else:  # the lost rank's rows from its keeper, at the failed step's start; then the join
         restored = re.findall(r"restored the fully sharded state of step (\d+) from memory "
-                              r"\(the old world's (\d) ranks", text)
+                              r"\(the rows of the old world's (\d) shards", text)
         assert [int(n) for _, n in restored] == [3, 2], text
         assert KILL_AFTER <= int(restored[0][0]) <= KILL_AFTER + 2, restored
     kept = sorted(n for n in os.listdir(checkpoints) if n.startswith("step_"))

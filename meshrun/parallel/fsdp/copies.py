@@ -23,12 +23,16 @@ that step are trained again (``every`` 1: none). When the copies do not cover ev
 (two nodes lost together, a node lost during the exchange itself, copies off), `restore`
 says so and the caller falls back to the last checkpoint.
 
+HSDP (shards within a node, replicas across nodes) exchanges nothing: a refresh keeps each
+rank's own snapshot only, and a lost node's shards come from a replica on another node; the
+rows are then indexed by shard (S shards of R replicas) instead of by rank.
+
 Packing is per parameter and independent of how the parameters were grouped into units:
-parameter ``(d0, *rest)`` over N ranks takes ``ceil(d0 / N)`` rows (torch.chunk's, padded),
-so a joiner, whose model is not sharded yet, can unpack what it receives. Limits: FSDP over
-the whole world (no HSDP, TP or PP in the same model, for now); nodes of equal size for the
-keeper to be on another node in every case; the full model and optimizer state are held on
-every rank for the moment of the restore.
+parameter ``(d0, *rest)`` over S shards takes ``ceil(d0 / S)`` rows (torch.chunk's,
+padded), so a joiner, whose model is not sharded yet, can unpack what it receives. Limits:
+FSDP or HSDP over the whole world (not beside TP or PP, for now); nodes of equal size for
+the keeper to be on another node in every case; the full model and optimizer state are held
+on every rank for the moment of the restore.
 
 The idea of keeping a peer's state in memory for fast recovery is Gemini's (Wang et al.,
 "GEMINI: Fast Failure Recovery in Distributed Training with In-Memory Checkpoints", SOSP 2023)
@@ -111,13 +115,14 @@ class Copies:
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"neighbour copies: every must be an int >= 0 (got {every!r})")
         self.every = every
-        self.world: tuple[int, int] | None = None  # (round, world size) of the snapshots
-        self.rank: int | None = None  # this rank in that world
+        # (round, world size, shards: the shard group's size) of the snapshots
+        self.world: tuple[int, int, int] | None = None
+        self.shard: int | None = None  # this rank's shard index in that world
         self.layout: _Layout | None = None
-        self.held: dict[int, _Snapshot] = {}  # rank in that world -> its rows at a step
-        self.whole: dict | None = None  # what every rank holds whole, at held[rank].step
+        self.held: dict[int, _Snapshot] = {}  # shard index -> its rows at a step
+        self.whole: dict | None = None  # what every rank holds whole, at held[shard].step
         self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
-        self._neighbours: tuple[tuple[int, int], list[int], list[int]] | None = None
+        self._neighbours: tuple[tuple, list[int], list[int]] | None = None
         self._pending: tuple | None = None  # the exchange in flight (see `settle`)
 
     # -- while training ---------------------------------------------------------------------
@@ -133,14 +138,17 @@ class Copies:
         step = int(state["step"])
         if not _sharded(state):
             return False
-        world = (round, dist.get_world_size())
+        world, shard, replicas = _world(state, round)
         if self.world != world:  # a new world: the old copies are of no use in it
-            self.world, self.rank, self.held = world, dist.get_rank(), {}
+            self.world, self.shard, self.held = world, shard, {}
             self.layout = self._take(state, world, pack=False)[0]  # shapes, for `restore`
         if not self.every or step % self.every:
             return False
-        if self.rank in self.held and self.held[self.rank].step == step:
+        if self.shard in self.held and self.held[self.shard].step == step:
             return False  # a retried step: the copies of its start are in place
+        if replicas > 1:  # HSDP: the other replicas hold the same rows; nothing to send
+            self._commit(world, shard, step, self._take(state, world), {})
+            return True
         if self._neighbours is None or self._neighbours[0] != world:
             self._neighbours = (world, *_neighbours())
         _, keepers, sources = self._neighbours
@@ -152,7 +160,7 @@ class Copies:
         ops = [dist.P2POp(dist.isend, mine, keeper) for keeper in keepers]
         ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
         works = dist.batch_isend_irecv(ops) if ops else []
-        self._pending = (world, step, taken, inbox, works)
+        self._pending = (world, shard, step, taken, inbox, works)
         return True
 
     def settle(self, failed_ok: bool = False) -> None:
@@ -161,7 +169,7 @@ class Copies:
         generation in place, and its error propagates unless ``failed_ok``."""
         if self._pending is None:
             return
-        world, step, taken, inbox, works = self._pending
+        world, shard, step, taken, inbox, works = self._pending
         self._pending = None
         try:
             for work in works:
@@ -170,7 +178,8 @@ class Copies:
             if failed_ok:
                 return
             raise
-        self._commit(world, step, taken, {src: _Snapshot(step, buf) for src, buf in inbox.items()})
+        self._commit(world, shard, step, taken,
+                     {src: _Snapshot(step, buf) for src, buf in inbox.items()})
 
     def keep_own(self, state: MutableMapping, round: int) -> None:
         """Snapshot this rank's rows and whole state at ``state["step"]`` (local: no
@@ -179,23 +188,17 @@ class Copies:
         its current rows are what the new world needs)."""
         if not _sharded(state):
             return
-        world = (round, dist.get_world_size())
-        others = {r: c for r, c in self.held.items() if r != self.rank} \
+        world, shard, _ = _world(state, round)
+        others = {r: c for r, c in self.held.items() if r != shard} \
             if self.world == world else {}
-        self._commit(world, int(state["step"]), self._take(state, world), others)
+        self._commit(world, shard, int(state["step"]), self._take(state, world), others)
 
-    def _take(self, state: MutableMapping, world: tuple[int, int], pack: bool = True):
+    def _take(self, state: MutableMapping, world: tuple[int, int, int], pack: bool = True):
         """(layout, packed rows, whole state) of this rank now (``pack`` False: the layout
         alone); nothing is kept yet."""
         params = _sharded(state)
-        for name, p in params:
-            if p._fsdp_unit.world_size != world[1]:
-                raise RuntimeError(f"neighbour copies: {name!r} is sharded over "
-                                   f"{p._fsdp_unit.world_size} of {world[1]} ranks; only FSDP "
-                                   f"over the whole world is supported (for now: not HSDP, "
-                                   f"TP or PP)")
         optimizers = _optimizers(state)
-        layout = _Layout(world[1], [n for n, _ in params],
+        layout = _Layout(world[2], [n for n, _ in params],
                          [tuple(_unit_shape(p)) for _, p in params],
                          [_shard_keys(optimizers, p) for _, p in params],
                          str(params[0][1].dtype).removeprefix("torch."))
@@ -209,19 +212,19 @@ class Copies:
                 offset += layout.block(i)
         return layout, packed, _whole(state, {id(p) for _, p in params})
 
-    def _commit(self, world, step: int, taken, others: dict[int, _Snapshot]) -> None:
+    def _commit(self, world, shard: int, step: int, taken, others: dict[int, _Snapshot]) -> None:
         layout, packed, whole = taken
-        self.world, self.rank, self.layout, self.whole = world, dist.get_rank(), layout, whole
-        self.held = {**others, self.rank: _Snapshot(step, packed)}
+        self.world, self.shard, self.layout, self.whole = world, shard, layout, whole
+        self.held = {**others, shard: _Snapshot(step, packed)}
 
     # -- after a change of world ------------------------------------------------------------
 
     def holdings(self, state: MutableMapping) -> dict:
         """What this rank can give the new world (all-gathered by the loop; call `settle`
         first)."""
-        return {"world": self.world, "rank": self.rank,
+        return {"world": self.world, "shard": self.shard,
                 "tags": {r: s.step for r, s in self.held.items()},
-                "own": self.held[self.rank].step if self.rank in self.held else None,
+                "own": self.held[self.shard].step if self.shard in self.held else None,
                 "layout": self.layout.as_dict() if self.layout is not None else None,
                 "step": int(state["step"])}
 
@@ -247,17 +250,17 @@ class Copies:
             raise
         layout = _Layout(**gathered[whole_from]["layout"])
         me = dist.get_rank()
-        ranks = []
+        shards = []
         for old, src in enumerate(providers):
             buf = self.held[old].packed if me == src else layout.empty(group_device(None))
             dist.broadcast(buf, src=src)
-            ranks.append(buf)
+            shards.append(buf)
         box = [self.whole if me == whole_from else None]
         dist.broadcast_object_list(box, src=whole_from)
-        self._apply(state, layout, ranks, box[0])
-        self.held, self.whole, self.world, self.rank = {}, None, None, None
-        return (f"the fully sharded state of step {step} from memory (the old world's "
-                f"{layout.world_size} ranks' rows from ranks {sorted(set(providers))} of "
+        self._apply(state, layout, shards, box[0])
+        self.held, self.whole, self.world, self.shard = {}, None, None, None
+        return (f"the fully sharded state of step {step} from memory (the rows of the old "
+                f"world's {layout.world_size} shards from ranks {sorted(set(providers))} of "
                 f"this one)")
 
     def after_build(self) -> None:
@@ -287,22 +290,22 @@ class Copies:
             p.grad = None
             for optimizer in _optimizers(state):
                 optimizer.state.pop(p, None)
-        self.held, self.whole, self.world, self.rank = {}, None, None, None
+        self.held, self.whole, self.world, self.shard = {}, None, None, None
 
-    def _apply(self, state, layout: _Layout, ranks: list[torch.Tensor], whole: dict) -> None:
+    def _apply(self, state, layout: _Layout, shards: list[torch.Tensor], whole: dict) -> None:
         named = dict(_named_params(state))
         optimizers = _optimizers(state)
         self._restored = []
-        offsets = [0] * len(ranks)
+        offsets = [0] * len(shards)
         for i, name in enumerate(layout.names):
             p = named[name]
             shape = layout.shapes[i]
             tensors = []
             for _ in range(1 + len(layout.keys[i])):
-                full = torch.empty(shape, dtype=ranks[0].dtype, device=ranks[0].device)
+                full = torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device)
                 flat = full.view(-1)
                 per_row = math.prod(shape[1:])
-                for old, packed in enumerate(ranks):
+                for old, packed in enumerate(shards):
                     n = layout.rows_of(i, old) * per_row
                     start = old * layout.block(i)
                     flat[start:start + n].copy_(packed[offsets[old]:offsets[old] + n])
@@ -325,7 +328,7 @@ def _plan(gathered: list[dict], worlds: set) -> tuple[int, list[int], int]:
     state) from every rank's holdings, the same on every rank."""
     if len(worlds) != 1:
         raise NotCovered(f"the ranks' copies come from {len(worlds)} different worlds")
-    (_round, old_world), = worlds
+    (_round, _size, old_world), = worlds
     steps = sorted({t for g in gathered for t in g["tags"].values()}, reverse=True)
     for step in steps:
         providers = []
@@ -342,7 +345,7 @@ def _plan(gathered: list[dict], worlds: set) -> tuple[int, list[int], int]:
                 return step, providers, owners[0]
     lost = sorted(set(range(old_world)) - {int(r) for g in gathered for r in g["tags"]})
     raise NotCovered(f"no step at which the survivors hold the rows of all {old_world} old "
-                     f"ranks" + (f" (nobody holds rank(s) {lost})" if lost else ""))
+                     f"shards" + (f" (nobody holds shard(s) {lost})" if lost else ""))
 
 
 def _named_params(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
@@ -422,6 +425,25 @@ def _set_whole(state: MutableMapping, whole: dict) -> None:
         state[key] = value
     state["step"] = whole["step"]
     torch.set_rng_state(whole["rng"])
+
+
+def _world(state: MutableMapping, round: int) -> tuple[tuple[int, int, int], int, int]:
+    """((round, world size, shards), this rank's shard index, replicas) of the model's
+    sharding: FSDP over the whole world (replicas 1), or HSDP (shards x replicas = world).
+
+    Raises:
+        RuntimeError: another layout (FSDP over part of the world: TP or PP beside it, or
+            units of different groups)."""
+    units = {id(p._fsdp_unit): p._fsdp_unit for _, p in _sharded(state)}.values()
+    layouts = {(u.world_size, u.rank, u.replicas) for u in units}
+    world = dist.get_world_size()
+    (shards, shard, replicas), *others = layouts
+    if others or shards * replicas != world:
+        raise RuntimeError(f"neighbour copies: the model is sharded {sorted(layouts)} "
+                           f"((shards, this rank's shard, replicas) per unit) in a world of "
+                           f"{world}; only FSDP over the whole world, or HSDP over all of it, "
+                           f"is supported (for now: not beside TP or PP)")
+    return (round, world, shards), shard, replicas
 
 
 def _neighbours() -> tuple[list[int], list[int]]:

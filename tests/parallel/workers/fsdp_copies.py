@@ -7,7 +7,9 @@ interval, and trains it with `fully_shard` over the 4 ranks, refreshing the copi
 step's start. At a random step one node is lost: rank 2 leaves, and rank 3 comes back as a
 joiner (a fresh process would: a plain model of other values, an empty optimizer, no copies).
 The three then form a new world (their ranks permuted), restore the state from the
-copies, shard it again over 3 and train to the end. Reference: one process training every
+copies, shard it again over 3 and train to the end. Three trials shard with HSDP before the
+loss (shards within a node, replicas across the two): there the other node's replicas are
+the copies, nothing is exchanged. Reference: one process training every
 step on the whole global batch, never sharded; the final parameters must match it (so must
 the optimizer state, or the later steps would drift), and the steps trained again must be
 exactly those since the last refresh. One trial with copies off checks that `restore` says
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import fully_shard
+from meshrun.parallel import Mesh, fully_shard
 from meshrun.parallel.context import init, rejoin
 from meshrun.parallel.elastic import _teardown
 from meshrun.parallel.fsdp.copies import Copies, NotCovered
@@ -31,6 +33,7 @@ from meshrun.parallel.placement import full_tensor, of
 from tests.parallel.harness import RESULTS_ENV, exit_without_teardown, report
 
 GLOBAL_BATCH, STEPS, D_IN = 12, 6, 5  # 12 rows split over 4, 3 or 1 ranks
+TRIALS, HSDP_FROM = 10, 7  # seeds 7-9 shard with HSDP (2 replicas x 2 shards) before the loss
 
 
 def _model(spec, seed):
@@ -63,11 +66,13 @@ def _train_step(model, optimizer, step, rank, world):
     optimizer.step()
 
 
-def _shard(model):
+def _shard(model, hsdp=False):
+    """FSDP over the world; ``hsdp``: shard within each node, replicate across the two."""
+    mesh = Mesh({"dp_replicate": 2, "dp_shard": 2}) if hsdp else None
     for m in model:
         if isinstance(m, nn.Linear):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _new_world(name, rank, world, host):
@@ -95,8 +100,10 @@ def trial(seed, me):
     if rnd.random() < 0.5:
         spec["frozen"] = rnd.randrange(len(spec["hidden"]) + 1)
     every = rnd.choice([1, 2, 3]) if seed else 0
+    hsdp = seed >= HSDP_FROM  # the replicas on the other node are the copies
     lost_at = rnd.randint(1, STEPS - 1)  # at this step's start, after its refresh if any
     settled = rnd.random() < 0.6  # False: lost while that refresh's exchange was in flight
+    settled = settled or hsdp  # HSDP exchanges nothing: its snapshot is kept at once
     order = rnd.sample([0, 1, 3], 3)  # old rank -> new rank by position
 
     reference = _model(spec, seed)
@@ -106,7 +113,7 @@ def trial(seed, me):
 
     stores = [_new_world(f"{seed}a", me, 4, me == 0)]
     model = _model(spec, seed)
-    _shard(model)
+    _shard(model, hsdp)
     optimizer = _optimizer(spec, model)
     state = {"model": model, "optim": optimizer, "position": 0, "step": 0}
     copies = Copies(every)
@@ -155,13 +162,13 @@ def trial(seed, me):
     if not settled and last_refresh == lost_at:  # its exchange never completed: the one before
         last_refresh -= max(every, 1)
     return {"seed": seed, "every": every, "lost_at": lost_at, "expect_step": last_refresh,
-            "settled": settled,
+            "settled": settled, "hsdp": hsdp,
             "frozen": spec["frozen"], "optim": spec["optim"], **result}
 
 
 if __name__ == "__main__":
     ctx = init(timeout=60)
-    trials = [trial(seed, ctx.rank) for seed in range(7)]
+    trials = [trial(seed, ctx.rank) for seed in range(TRIALS)]
     report({"trials": trials})
     dist.destroy_process_group()
     exit_without_teardown()
