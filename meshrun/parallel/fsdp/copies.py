@@ -128,7 +128,8 @@ class Copies:
     # -- while training ---------------------------------------------------------------------
 
     def refresh(self, state: MutableMapping, round: int) -> bool:
-        """At the start of step ``state["step"]``: snapshot this rank and start the exchange
+        """At the start of step ``state["step"]`` (every ``every`` steps, and at the first
+        call in a new world, whatever the step): snapshot this rank and start the exchange
         with the keeper (a collective: every rank calls it at the same step; the transfer
         overlaps the step, the next call or `settle` waits for it). The snapshots replace the
         previous ones only once the exchange completed on this rank, so a node lost during it
@@ -142,8 +143,8 @@ class Copies:
         if self.world != world:  # a new world: the old copies are of no use in it
             self.world, self.shard, self.held = world, shard, {}
             self.layout = self._take(state, world, pack=False)[0]  # shapes, for `restore`
-        if not self.every or step % self.every:
-            return False
+        if not self.every or (step % self.every and self.held):
+            return False  # (a new world's first call refreshes: its copies start now)
         if self.shard in self.held and self.held[self.shard].step == step:
             return False  # a retried step: the copies of its start are in place
         if replicas > 1:  # HSDP: the other replicas hold the same rows; nothing to send
