@@ -93,8 +93,13 @@ class _Layout:
         return {"world_size": self.world_size, "names": self.names, "shapes": self.shapes,
                 "keys": self.keys, "dtype": self.dtype}
 
-    def empty(self, device) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=getattr(torch, self.dtype), device=device)
+    def empty(self, device, spare: torch.Tensor | None = None) -> torch.Tensor:
+        """A packed buffer (``spare`` when it fits; the padding is never read)."""
+        dtype = getattr(torch, self.dtype)
+        if spare is not None and spare.numel() == self.numel and spare.dtype == dtype \
+                and spare.device == torch.device(device):
+            return spare
+        return torch.empty(self.numel, dtype=dtype, device=device)
 
 
 @dataclass
@@ -124,6 +129,7 @@ class Copies:
         self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
         self._neighbours: tuple[tuple, list[int], list[int]] | None = None
         self._pending: tuple | None = None  # the exchange in flight (see `settle`)
+        self._spare: torch.Tensor | None = None  # a replaced own snapshot, for the next one
 
     # -- while training ---------------------------------------------------------------------
 
@@ -205,7 +211,8 @@ class Copies:
                          str(params[0][1].dtype).removeprefix("torch."))
         if not pack:
             return layout, None, None
-        packed = layout.empty(params[0][1].device)
+        packed = layout.empty(params[0][1].device, self._spare)
+        self._spare = None
         offset = 0
         for i, (_, p) in enumerate(params):
             for t in [p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]:
@@ -215,6 +222,8 @@ class Copies:
 
     def _commit(self, world, shard: int, step: int, taken, others: dict[int, _Snapshot]) -> None:
         layout, packed, whole = taken
+        if shard in self.held and self.world == world:  # the old own snapshot: reused next
+            self._spare = self.held[shard].packed
         self.world, self.shard, self.layout, self.whole = world, shard, layout, whole
         self.held = {**others, shard: _Snapshot(step, packed)}
 
