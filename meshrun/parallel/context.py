@@ -136,7 +136,16 @@ def rejoin() -> ParallelContext:
     from meshrun.parallel._sockets import note_world_sockets, tcp_connections
 
     before = tcp_connections()
-    dist.init_process_group(_context.backend, init_method="env://", **_timeout_kwargs(_timeout))
+    groups = dist.distributed_c10d._world.group_count
+    try:
+        dist.init_process_group(_context.backend, init_method="env://",
+                                **_timeout_kwargs(_timeout))
+    except BaseException:
+        # torch counted the group although it never formed: a fresh process joining the
+        # next world would name its groups from 0 and this one from 1, and they would wait
+        # for each other's keys forever (torch resets the count only in destroy)
+        dist.distributed_c10d._world.group_count = groups
+        raise
     note_world_sockets(before)
     _context = ParallelContext(rank, local_rank, world_size, _context.device, _context.backend)
     return _context

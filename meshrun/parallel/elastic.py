@@ -67,7 +67,7 @@ from torch import nn
 
 from meshrun import in_place
 from meshrun.parallel._sockets import note_world_sockets, shut_down_world_sockets, tcp_connections
-from meshrun.parallel.fsdp.copies import Copies, NotCovered
+from meshrun.parallel.fsdp.copies import Copies, NotCovered, _stateful
 
 __all__ = ["Attempt", "peer_lost", "steps"]
 
@@ -258,29 +258,27 @@ class _Loop:
     def enter_world(self) -> None:
         """Restore a fully sharded model from the copies, ``build()``, agree on the state,
         and ``resume()`` where nobody has trained yet (every rank then knows the same step
-        count: all call it or none); a peer vanishing meanwhile changes world."""
-        while True:
-            try:
-                holdings = [None] * dist.get_world_size()
-                dist.all_gather_object(holdings, self.copies.holdings(self.state))
-                restored = self._restore(holdings)
-                before = tcp_connections()
-                self.built = self.build()
-                note_world_sockets(before)  # the connections of the mesh's groups
-                self.copies.after_build()
-                if not restored:
-                    _agree(self.state, [h["step"] for h in holdings])
-                if self.resume is not None and self.state["step"] == 0:
-                    self.resume()
-                    if restored == "checkpoint" and self.state["step"] == 0:
-                        raise RuntimeError("meshrun.parallel.elastic: the neighbour copies "
-                                           "do not cover the lost ranks and resume() found "
-                                           "no checkpoint")
-                return
-            except RuntimeError as e:
-                if not peer_lost(e):
-                    raise
-                self.change_world(e)
+        count: all call it or none); a peer vanishing meanwhile changes world (which enters
+        the next one)."""
+        try:
+            holdings = [None] * dist.get_world_size()
+            dist.all_gather_object(holdings, self.copies.holdings(self.state))
+            restored = self._restore(holdings)
+            before = tcp_connections()
+            self.built = self.build()
+            note_world_sockets(before)  # the connections of the mesh's groups
+            self.copies.after_build()
+            if not restored:
+                _agree(self.state, [h["step"] for h in holdings])
+            if self.resume is not None and self.state["step"] == 0:
+                self.resume()
+                if restored == "checkpoint" and self.state["step"] == 0:
+                    raise RuntimeError("meshrun.parallel.elastic: the neighbour copies do not "
+                                       "cover the lost ranks and resume() found no checkpoint")
+        except RuntimeError as e:
+            if not peer_lost(e):
+                raise
+            self.change_world(e)
 
     def _restore(self, holdings: list[dict]) -> str | None:
         """A fully sharded model: its state from the survivors' copies ("memory"), else
@@ -408,9 +406,9 @@ def _agree(state: MutableMapping, counts: list[int] | None = None) -> None:
         if isinstance(value, nn.Module):
             for t in [*value.parameters(), *value.buffers()]:
                 dist.broadcast(t.data, src=src)
-        elif isinstance(value, torch.optim.Optimizer):
-            box = [value.state_dict()]
-            dist.broadcast_object_list(box, src=src)
+        elif isinstance(value, torch.optim.Optimizer) or _stateful(value):
+            box = [value.state_dict()]  # loaded in place: a scheduler stays bound to the
+            dist.broadcast_object_list(box, src=src)  # live optimizer
             value.load_state_dict(box[0])
         else:
             box = [value]

@@ -24,7 +24,9 @@ def test_a_lost_node_is_restored_from_its_neighbours_copies(trials):
             assert t["covered"], t
             # the state of the last refresh: the steps since are trained again
             assert t["step"] == t["expect_step"] and t["position"] == 12 * t["step"], t
-            assert t["max_diff"] < 1e-5, t  # then trained on: the reference's parameters
+            # then trained on: the reference's parameters (bf16: reductions round in bf16)
+            assert t["max_diff"] < (1e-2 if t["extra"] == "bf16" else 1e-5), t
+            assert t.get("restore_exact", True), t  # a restore is bit for bit what was trained
             shards = 2 if t["hsdp"] else 4
             assert f"from memory (the rows of the old world's {shards} shards" in t["used"], t
 
@@ -33,8 +35,14 @@ def test_a_lost_node_is_restored_from_its_neighbours_copies(trials):
 def test_without_copies_the_restore_says_it_is_not_covered(trials):
     for rank in (0, 1, 3):
         (t,) = [t for t in trials[rank]["trials"] if t["every"] == 0]
-        assert not t["covered"] and "no step at which the survivors hold" in t["why"], t
+        assert not t["covered"] and "no rank holds copies of the shards" in t["why"], t
         assert t["full_shapes"], t  # for a checkpoint's load
+
+
+@pytest.mark.timeout(180)
+def test_a_factored_optimizer_state_is_refused_with_a_message(trials):
+    for rank in (0, 1, 2, 3):
+        assert "a factored moment, as Adafactor's" in trials[rank]["adafactor"], trials[rank]
 
 
 @pytest.mark.timeout(180)
@@ -45,3 +53,7 @@ def test_the_trials_cover_optimizers_frozen_layers_and_exchanges_in_flight(trial
     assert any(t["every"] and t["step"] < t["lost_at"] for t in ts), ts  # steps trained again
     assert any(t["every"] and not t["settled"] and not t["hsdp"] for t in ts), ts  # mid-exchange
     assert sum(t["hsdp"] for t in ts) == 3, ts
+    # mixed dtypes, an LR scheduler, a parameter under two keys, a join's snapshot: each
+    # restored bit for bit at least once
+    assert {t["extra"] for t in ts if t.get("restore_exact")} >= {"bf16", "sched", "shared",
+                                                                    "join"}, ts

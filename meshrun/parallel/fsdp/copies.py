@@ -58,54 +58,61 @@ __all__ = ["Copies", "NotCovered"]
 
 
 class NotCovered(RuntimeError):
-    """The survivors do not hold every old rank's rows at one common step."""
+    """The survivors do not hold every old shard's rows at one common step."""
 
 
 @dataclass
 class _Layout:
-    """Where each sharded parameter's rows (and its optimizer state's) sit in a packed rank.
+    """Where each sharded parameter's rows (and its optimizer state's) sit in a packed shard.
 
     ``names[i]`` has unsharded shape ``shapes[i]``, optimizer state keys ``keys[i]`` (tensors
-    of the parameter's local shape) and ``rows[i] = ceil(shapes[i][0] / world_size)`` rows per
-    rank; a packed rank is, parameter after parameter, ``1 + len(keys[i])`` blocks of
-    ``rows[i] * prod(shapes[i][1:])`` elements, the rank's own rows first in each block."""
+    of the parameter's local shape) and ``rows(i) = ceil(shapes[i][0] / shards)`` rows per
+    shard; ``dtypes[i]`` names the dtype of the parameter, then of each key's tensor. A packed
+    shard is bytes: parameter after parameter, ``1 + len(keys[i])`` blocks of ``rows(i) *
+    prod(shapes[i][1:])`` elements of their dtype, the shard's own rows first in each
+    block (the rest is padding, never read)."""
 
-    world_size: int
+    shards: int
     names: list[str]
     shapes: list[tuple[int, ...]]
     keys: list[list[str]]
-    dtype: str  # the parameters' dtype, as torch names it ("float32")
+    dtypes: list[list[str]]
 
     def rows(self, i: int) -> int:
-        return math.ceil(self.shapes[i][0] / self.world_size)
+        return math.ceil(self.shapes[i][0] / self.shards)
 
-    def rows_of(self, i: int, rank: int) -> int:
-        return max(0, min(self.rows(i), self.shapes[i][0] - rank * self.rows(i)))
+    def rows_of(self, i: int, shard: int) -> int:
+        return max(0, min(self.rows(i), self.shapes[i][0] - shard * self.rows(i)))
 
-    def block(self, i: int) -> int:
-        return self.rows(i) * math.prod(self.shapes[i][1:])
+    def dtype(self, i: int, j: int) -> torch.dtype:
+        return getattr(torch, self.dtypes[i][j])
+
+    def block(self, i: int, j: int) -> int:
+        """Bytes of tensor j (0: the parameter, then its keys) of parameter i in a shard."""
+        return self.rows(i) * math.prod(self.shapes[i][1:]) * self.dtype(i, j).itemsize
 
     @property
-    def numel(self) -> int:
-        return sum(self.block(i) * (1 + len(self.keys[i])) for i in range(len(self.names)))
+    def nbytes(self) -> int:
+        return sum(self.block(i, j) for i in range(len(self.names))
+                   for j in range(1 + len(self.keys[i])))
 
     def as_dict(self) -> dict:
-        return {"world_size": self.world_size, "names": self.names, "shapes": self.shapes,
-                "keys": self.keys, "dtype": self.dtype}
+        return {"shards": self.shards, "names": self.names, "shapes": self.shapes,
+                "keys": self.keys, "dtypes": self.dtypes}
 
     def empty(self, device, spare: torch.Tensor | None = None) -> torch.Tensor:
         """A packed buffer (``spare`` when it fits; the padding is never read)."""
-        dtype = getattr(torch, self.dtype)
-        if spare is not None and spare.numel() == self.numel and spare.dtype == dtype \
+        if spare is not None and spare.numel() == self.nbytes \
                 and spare.device == torch.device(device):
             return spare
-        return torch.empty(self.numel, dtype=dtype, device=device)
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
 
 @dataclass
 class _Snapshot:
-    step: int
-    packed: torch.Tensor
+    packed: torch.Tensor  # one shard's rows, bytes (`_Layout`)
+    layout: _Layout
+    whole: dict | None = None  # what every rank holds whole: own snapshots only
 
 
 class Copies:
@@ -114,22 +121,25 @@ class Copies:
     Args:
         every: refresh every this many steps (1: at every step's start, nothing is trained
             twice after a loss; 0: never: a lost node's rows are then only on disk).
+
+    Raises:
+        ValueError: ``every`` is not an int >= 0.
     """
 
     def __init__(self, every: int = 1):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"neighbour copies: every must be an int >= 0 (got {every!r})")
         self.every = every
-        # (round, world size, shards: the shard group's size) of the snapshots
+        # (round, world size, shards: the shard group's size) of the world the snapshots
+        # were taken in; they are kept until the next world's first complete refresh, so a
+        # loss during a change of world still finds them
         self.world: tuple[int, int, int] | None = None
-        self.shard: int | None = None  # this rank's shard index in that world
-        self.layout: _Layout | None = None
-        self.held: dict[int, _Snapshot] = {}  # shard index -> its rows at a step
-        self.whole: dict | None = None  # what every rank holds whole, at held[shard].step
+        self.held: dict[tuple[int, int], _Snapshot] = {}  # (shard, step) -> its rows
+        self.sharded: tuple[tuple, _Layout] | None = None  # (world, shapes) sharded now
         self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
         self._neighbours: tuple[tuple, list[int], list[int]] | None = None
         self._pending: tuple | None = None  # the exchange in flight (see `settle`)
-        self._spare: torch.Tensor | None = None  # a replaced own snapshot, for the next one
+        self._spare: torch.Tensor | None = None  # a dropped own snapshot, for the next one
 
     # -- while training ---------------------------------------------------------------------
 
@@ -140,34 +150,39 @@ class Copies:
         overlaps the step, the next call or `settle` waits for it). The snapshots replace the
         previous ones only once the exchange completed on this rank, so a node lost during it
         leaves every rank with one consistent generation (the previous one). Returns whether
-        it ran (a refresh step, the model fully sharded, the world more than one node)."""
+        it ran (a refresh step, the model fully sharded, the world more than one node).
+
+        Raises:
+            RuntimeError: the model is sharded some other way than FSDP or HSDP over the
+                whole world, or an optimizer keeps per-parameter state of another shape
+                (Adafactor's factored moments); a collective's error when a peer vanished.
+        """
         self.settle()  # the previous exchange, overlapped with the step since
         step = int(state["step"])
         if not _sharded(state):
             return False
         world, shard, replicas = _world(state, round)
-        if self.world != world:  # a new world: the old copies are of no use in it
-            self.world, self.shard, self.held = world, shard, {}
-            self.layout = self._take(state, world, pack=False)[0]  # shapes, for `restore`
-        if not self.every or (step % self.every and self.held):
+        if self.sharded is None or self.sharded[0] != world:
+            self.sharded = (world, _take(state, world[2], pack=False).layout)
+        if not self.every or (step % self.every and self.world == world):
             return False  # (a new world's first call refreshes: its copies start now)
-        if self.shard in self.held and self.held[self.shard].step == step:
+        if self.world == world and (shard, step) in self.held:
             return False  # a retried step: the copies of its start are in place
         if replicas > 1:  # HSDP: the other replicas hold the same rows; nothing to send
-            self._commit(world, shard, step, self._take(state, world), {})
+            self._commit(world, {(shard, step): self._take(state, world)}, replace=True)
             return True
         if self._neighbours is None or self._neighbours[0] != world:
             self._neighbours = (world, *_neighbours())
         _, keepers, sources = self._neighbours
         if not keepers:  # one node: its loss is everyone's, no copy can help
             return False
-        taken = self._take(state, world)
-        mine = taken[1]
-        inbox = {src: torch.empty_like(mine) for src in sources}
-        ops = [dist.P2POp(dist.isend, mine, keeper) for keeper in keepers]
+        mine = self._take(state, world)
+        inbox = {src: torch.empty_like(mine.packed) for src in sources}
+        ops = [dist.P2POp(dist.isend, mine.packed, keeper) for keeper in keepers]
         ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self._pending = (world, shard, step, taken, inbox, works)
+        new = {(shard, step): mine}
+        new.update({(src, step): _Snapshot(buf, mine.layout) for src, buf in inbox.items()})
+        self._pending = (world, new, dist.batch_isend_irecv(ops))
         return True
 
     def settle(self, failed_ok: bool = False) -> None:
@@ -176,7 +191,7 @@ class Copies:
         generation in place, and its error propagates unless ``failed_ok``."""
         if self._pending is None:
             return
-        world, shard, step, taken, inbox, works = self._pending
+        world, new, works = self._pending
         self._pending = None
         try:
             for work in works:
@@ -185,92 +200,81 @@ class Copies:
             if failed_ok:
                 return
             raise
-        self._commit(world, shard, step, taken,
-                     {src: _Snapshot(step, buf) for src, buf in inbox.items()})
+        self._commit(world, new, replace=True)
 
     def keep_own(self, state: MutableMapping, round: int) -> None:
         """Snapshot this rank's rows and whole state at ``state["step"]`` (local: no
-        communication), keeping the neighbours' copies: `meshrun.parallel.elastic` calls it
+        communication), beside the snapshots it holds: `meshrun.parallel.elastic` calls it
         before it leaves a world at a step boundary (nodes join: every owner is alive and
-        its current rows are what the new world needs)."""
+        its current rows are what the new world needs; a node lost during the join finds
+        the previous generation still there)."""
         if not _sharded(state):
             return
         world, shard, _ = _world(state, round)
-        others = {r: c for r, c in self.held.items() if r != shard} \
-            if self.world == world else {}
-        self._commit(world, shard, int(state["step"]), self._take(state, world), others)
+        self._commit(world, {(shard, int(state["step"])): self._take(state, world)},
+                     replace=False)
 
-    def _take(self, state: MutableMapping, world: tuple[int, int, int], pack: bool = True):
-        """(layout, packed rows, whole state) of this rank now (``pack`` False: the layout
-        alone); nothing is kept yet."""
-        params = _sharded(state)
-        optimizers = _optimizers(state)
-        layout = _Layout(world[2], [n for n, _ in params],
-                         [tuple(_unit_shape(p)) for _, p in params],
-                         [_shard_keys(optimizers, p) for _, p in params],
-                         str(params[0][1].dtype).removeprefix("torch."))
-        if not pack:
-            return layout, None, None
-        packed = layout.empty(params[0][1].device, self._spare)
+    def _take(self, state: MutableMapping, world: tuple[int, int, int]) -> _Snapshot:
+        taken = _take(state, world[2], spare=self._spare)
         self._spare = None
-        offset = 0
-        for i, (_, p) in enumerate(params):
-            for t in [p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]:
-                packed[offset:offset + t.numel()].copy_(t.reshape(-1))
-                offset += layout.block(i)
-        return layout, packed, _whole(state, {id(p) for _, p in params})
+        return taken
 
-    def _commit(self, world, shard: int, step: int, taken, others: dict[int, _Snapshot]) -> None:
-        layout, packed, whole = taken
-        if shard in self.held and self.world == world:  # the old own snapshot: reused next
-            self._spare = self.held[shard].packed
-        self.world, self.shard, self.layout, self.whole = world, shard, layout, whole
-        self.held = {**others, shard: _Snapshot(step, packed)}
+    def _commit(self, world, new: dict[tuple[int, int], _Snapshot], replace: bool) -> None:
+        if replace or self.world != world:
+            dropped = [s for key, s in self.held.items() if key not in new]
+            own = [s for s in dropped if s.whole is not None]
+            if own:
+                self._spare = own[0].packed
+            self.held = dict(new)
+        else:
+            self.held.update(new)
+        self.world = world
 
     # -- after a change of world ------------------------------------------------------------
 
     def holdings(self, state: MutableMapping) -> dict:
         """What this rank can give the new world (all-gathered by the loop; call `settle`
         first)."""
-        return {"world": self.world, "shard": self.shard,
-                "tags": {r: s.step for r, s in self.held.items()},
-                "own": self.held[self.shard].step if self.shard in self.held else None,
-                "layout": self.layout.as_dict() if self.layout is not None else None,
+        return {"world": self.world, "tags": sorted(self.held),
+                "own": {step: s.layout.as_dict() for (_, step), s in self.held.items()
+                        if s.whole is not None},
+                "sharded": self.sharded[1].as_dict() if self.sharded is not None else None,
                 "step": int(state["step"])}
 
     def restore(self, state: MutableMapping, gathered: list[dict]) -> str | None:
         """Rebuild the full model and optimizer state in ``state`` from the survivors' copies
         (a collective of the new world; ``gathered``: every rank's `holdings`, by new rank).
+        The snapshots stay until the new world's first complete refresh.
 
         Returns None when no rank held fully sharded state (nothing to do), else a line
         saying what was used.
 
         Raises:
-            NotCovered: some old rank's rows are not held at one common step; the model's
+            NotCovered: some old shard's rows are not held at one common step; the model's
                 sharded parameters are then set to zeros of their full shape (a checkpoint
                 must be loaded).
         """
-        worlds = {tuple(g["world"]) for g in gathered if g["world"] is not None}
-        if not worlds:
+        if not any(g["sharded"] or g["world"] for g in gathered):
             return None
         try:
-            step, providers, whole_from = _plan(gathered, worlds)
+            step, providers, whole_from = _plan(gathered)
         except NotCovered:
             self._zeros(state, gathered)
             raise
-        layout = _Layout(**gathered[whole_from]["layout"])
+        layout = _Layout(**gathered[whole_from]["own"][step])
         me = dist.get_rank()
         shards = []
         for old, src in enumerate(providers):
-            buf = self.held[old].packed if me == src else layout.empty(group_device(None))
+            buf = (self.held[(old, step)].packed if me == src
+                   else layout.empty(group_device(None)))
             dist.broadcast(buf, src=src)
             shards.append(buf)
-        box = [self.whole if me == whole_from else None]
+        mine = [s for (_, t), s in self.held.items() if t == step and s.whole is not None]
+        box = [mine[0].whole if me == whole_from else None]
         dist.broadcast_object_list(box, src=whole_from)
         self._apply(state, layout, shards, box[0])
-        self.held, self.whole, self.world, self.shard = {}, None, None, None
         return (f"the fully sharded state of step {step} from memory (the rows of the old "
-                f"world's {layout.world_size} shards from ranks {sorted(set(providers))} of "
+                f"world's {layout.shards} shards from ranks {sorted(set(providers))} of "
                 f"this one)")
 
     def after_build(self) -> None:
@@ -292,7 +296,9 @@ class Copies:
         """Not covered: give each sharded parameter zeros of its full shape and drop its
         optimizer state, so that ``build()`` can shard the model again for a checkpoint's
         load."""
-        layout = _Layout(**next(g["layout"] for g in gathered if g["layout"] is not None))
+        found = [g["sharded"] for g in gathered if g["sharded"]]
+        found += [lay for g in gathered for lay in g["own"].values()]
+        layout = _Layout(**found[0])
         named = dict(_named_params(state))
         for name, shape in zip(layout.names, layout.shapes, strict=True):
             p = named[name]
@@ -300,7 +306,6 @@ class Copies:
             p.grad = None
             for optimizer in _optimizers(state):
                 optimizer.state.pop(p, None)
-        self.held, self.whole, self.world, self.shard = {}, None, None, None
 
     def _apply(self, state, layout: _Layout, shards: list[torch.Tensor], whole: dict) -> None:
         named = dict(_named_params(state))
@@ -311,21 +316,22 @@ class Copies:
             p = named[name]
             shape = layout.shapes[i]
             tensors = []
-            for _ in range(1 + len(layout.keys[i])):
-                full = torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device)
-                flat = full.view(-1)
-                per_row = math.prod(shape[1:])
+            for j in range(1 + len(layout.keys[i])):
+                full = torch.empty(shape, dtype=layout.dtype(i, j), device=shards[0].device)
+                flat = full.view(-1).view(torch.uint8)
+                block = layout.block(i, j)
+                per_shard = block // layout.rows(i) if layout.rows(i) else 0  # bytes per row
                 for old, packed in enumerate(shards):
-                    n = layout.rows_of(i, old) * per_row
-                    start = old * layout.block(i)
-                    flat[start:start + n].copy_(packed[offsets[old]:offsets[old] + n])
-                    offsets[old] += layout.block(i)
+                    n = layout.rows_of(i, old) * per_shard
+                    flat[old * block:old * block + n].copy_(packed[offsets[old]:offsets[old] + n])
+                    offsets[old] += block
                 tensors.append(full)
-            p.data = tensors[0].to(p.dtype)
+            p.data = tensors[0].to(p.device)
             p.grad = None
             for optimizer in optimizers:
                 if any(p is q for g in optimizer.param_groups for q in g["params"]):
-                    entry = {k: v.clone() for k, v in whole["scalars"].get(name, {}).items()}
+                    entry = {k: (v.clone() if torch.is_tensor(v) else v)
+                             for k, v in whole["scalars"].get(name, {}).items()}
                     for key, t in zip(layout.keys[i], tensors[1:], strict=True):
                         entry[key] = t
                         self._restored.append((p, optimizer, key))
@@ -333,36 +339,67 @@ class Copies:
         _set_whole(state, whole)
 
 
-def _plan(gathered: list[dict], worlds: set) -> tuple[int, list[int], int]:
-    """(step, the new rank providing each old rank's rows, the new rank providing the whole
+def _take(state: MutableMapping, shards: int, pack: bool = True,
+          spare: torch.Tensor | None = None) -> _Snapshot:
+    """This rank's snapshot now (``pack`` False: the layout alone, no copy)."""
+    params = _sharded(state)
+    optimizers = _optimizers(state)
+    keys = [_shard_keys(optimizers, name, p) for name, p in params]
+    dtypes = [[str(t.dtype).removeprefix("torch.") for t in
+               [p, *(_state_of(optimizers, p)[k] for k in ks)]]
+              for (_, p), ks in zip(params, keys, strict=True)]
+    layout = _Layout(shards, [n for n, _ in params], [tuple(_unit_shape(p)) for _, p in params],
+                     keys, dtypes)
+    if not pack:
+        return _Snapshot(None, layout)
+    packed = layout.empty(params[0][1].device, spare)
+    offset = 0
+    for i, (_, p) in enumerate(params):
+        for j, t in enumerate([p.detach(), *(_state_of(optimizers, p)[k] for k in keys[i])]):
+            raw = t.reshape(-1).view(torch.uint8)
+            packed[offset:offset + raw.numel()].copy_(raw)
+            offset += layout.block(i, j)
+    return _Snapshot(packed, layout, _whole(state, {id(p) for _, p in params}))
+
+
+def _plan(gathered: list[dict]) -> tuple[int, list[int], int]:
+    """(step, the new rank providing each old shard's rows, the new rank providing the whole
     state) from every rank's holdings, the same on every rank."""
+    worlds = {tuple(g["world"]) for g in gathered if g["world"] is not None}
+    if not worlds:
+        raise NotCovered("no rank holds copies of the shards (copy_every=0, or none was "
+                         "complete yet)")
     if len(worlds) != 1:
         raise NotCovered(f"the ranks' copies come from {len(worlds)} different worlds")
-    (_round, _size, old_world), = worlds
-    steps = sorted({t for g in gathered for t in g["tags"].values()}, reverse=True)
-    for step in steps:
+    (_round, _size, shards), = worlds
+    held = [{tuple(t) for t in g["tags"]} for g in gathered]
+    for step in sorted({t[1] for h in held for t in h}, reverse=True):
         providers = []
-        for old in range(old_world):
-            holders = [new for new, g in enumerate(gathered)
-                       if g["world"] is not None and g["tags"].get(old) == step]
+        for old in range(shards):
+            holders = [new for new, h in enumerate(held) if (old, step) in h]
             if not holders:
                 break
             providers.append(holders[0])
         else:
-            owners = [new for new, g in enumerate(gathered) if g["own"] == step]
-            layouts = {repr(gathered[new]["layout"]) for new in owners}
-            if owners and len(layouts) == 1:
+            owners = [new for new, g in enumerate(gathered) if step in g["own"]]
+            if owners and len({repr(gathered[n]["own"][step]) for n in owners}) == 1:
                 return step, providers, owners[0]
-    lost = sorted(set(range(old_world)) - {int(r) for g in gathered for r in g["tags"]})
-    raise NotCovered(f"no step at which the survivors hold the rows of all {old_world} old "
+    lost = sorted(set(range(shards)) - {t[0] for h in held for t in h})
+    raise NotCovered(f"no step at which the survivors hold the rows of all {shards} old "
                      f"shards" + (f" (nobody holds shard(s) {lost})" if lost else ""))
 
 
 def _named_params(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
-    """``(<state key>.<parameter name>, parameter)`` of every module in ``state``."""
-    return [(f"{key}.{name}", p) for key in sorted(state, key=str)
-            if isinstance(state[key], nn.Module)
-            for name, p in state[key].named_parameters()]
+    """``(<state key>.<parameter name>, parameter)`` of every module in ``state``, each
+    parameter once (under the first key that reaches it)."""
+    seen, found = set(), []
+    for key in sorted(state, key=str):
+        if isinstance(state[key], nn.Module):
+            for name, p in state[key].named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    found.append((f"{key}.{name}", p))
+    return found
 
 
 def _sharded(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
@@ -381,10 +418,23 @@ def _state_of(optimizers, p) -> dict:
     return {}
 
 
-def _shard_keys(optimizers, p) -> list[str]:
-    """The optimizer state keys of ``p`` that hold per-row values (the parameter's shape)."""
-    return sorted(k for k, v in _state_of(optimizers, p).items()
-                  if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape)
+def _shard_keys(optimizers, name: str, p) -> list[str]:
+    """The optimizer state keys of ``p`` that hold per-row values (the parameter's shape).
+
+    Raises:
+        RuntimeError: a tensor of another shape that is not a scalar (a factored moment)."""
+    keys = []
+    for k, v in sorted(_state_of(optimizers, p).items()):
+        if not torch.is_tensor(v) or v.dim() == 0:
+            continue
+        if v.shape != p.shape:
+            raise RuntimeError(f"neighbour copies: optimizer state {k!r} of {name!r} has shape "
+                               f"{tuple(v.shape)}, neither the parameter's rows "
+                               f"{tuple(p.shape)} nor a scalar (a factored moment, as "
+                               f"Adafactor's); not supported: pass copy_every=0 and recover "
+                               f"from checkpoints")
+        keys.append(k)
+    return keys
 
 
 def _unit_shape(p) -> torch.Size:
@@ -392,9 +442,16 @@ def _unit_shape(p) -> torch.Size:
     return unit.layout.slots[next(i for i, q in enumerate(unit.params) if q is p)].shape
 
 
+def _stateful(value) -> bool:
+    """An object that saves and loads itself (an LR scheduler, a GradScaler): kept by its
+    state dict and loaded in place, so it stays bound to the live optimizer."""
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None))
+
+
 def _whole(state: MutableMapping, sharded: set[int]) -> dict:
     """What every rank holds whole: copies, so that training on does not change them."""
-    values, buffers, params, groups, scalars = {}, {}, {}, {}, {}
+    values, loaded, buffers, params, groups, scalars = {}, {}, {}, {}, {}, {}
     for key in sorted(state, key=str):
         value = state[key]
         if isinstance(value, nn.Module):
@@ -404,6 +461,8 @@ def _whole(state: MutableMapping, sharded: set[int]) -> dict:
         elif isinstance(value, torch.optim.Optimizer):
             groups[key] = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                            for g in value.param_groups]
+        elif _stateful(value):
+            loaded[key] = copy.deepcopy(value.state_dict())
         elif key != "step":
             values[key] = copy.deepcopy(value)
     names = {id(p): n for n, p in _named_params(state)}
@@ -412,10 +471,10 @@ def _whole(state: MutableMapping, sharded: set[int]) -> dict:
             if id(p) in sharded:
                 scalars[names[id(p)]] = {k: (v.clone() if torch.is_tensor(v) else v)
                                          for k, v in entry.items()
-                                         if not (torch.is_tensor(v) and v.dim() > 0
-                                                 and v.shape == p.shape)}
-    return {"values": values, "buffers": buffers, "params": params, "groups": groups,
-            "scalars": scalars, "rng": torch.get_rng_state(), "step": int(state["step"])}
+                                         if not (torch.is_tensor(v) and v.dim() > 0)}
+    return {"values": values, "loaded": loaded, "buffers": buffers, "params": params,
+            "groups": groups, "scalars": scalars, "rng": torch.get_rng_state(),
+            "step": int(state["step"])}
 
 
 def _set_whole(state: MutableMapping, whole: dict) -> None:
@@ -431,6 +490,8 @@ def _set_whole(state: MutableMapping, whole: dict) -> None:
         elif isinstance(value, torch.optim.Optimizer):
             for group, saved in zip(value.param_groups, whole["groups"][key], strict=True):
                 group.update(saved)
+        elif key in whole["loaded"]:
+            value.load_state_dict(whole["loaded"][key])
     for key, value in whole["values"].items():
         state[key] = value
     state["step"] = whole["step"]

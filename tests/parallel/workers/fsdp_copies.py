@@ -34,16 +34,40 @@ from tests.parallel.harness import RESULTS_ENV, exit_without_teardown, report
 
 GLOBAL_BATCH, STEPS, D_IN = 12, 6, 5  # 12 rows split over 4, 3 or 1 ranks
 TRIALS, HSDP_FROM = 10, 7  # seeds 7-9 shard with HSDP (2 replicas x 2 shards) before the loss
+# per seed: bf16 (the first layer in bfloat16, the rest fp32), sched (an LR scheduler in the
+# state), shared (the last layer also under a second key of the state), join (a step more
+# after the refresh, then the snapshot of a join's boundary, then the loss)
+EXTRAS = ["none", "bf16", "sched", "shared", "join", "none", "bf16", "sched", "join", "shared"]
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
 
 
 def _model(spec, seed):
     torch.manual_seed(seed)
     dims = [D_IN, *spec["hidden"], 2]
     layers = [nn.Linear(a, b, bias=i % 2 == 0) for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False))]
-    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())][:-1])
     if spec["frozen"] is not None:
-        model[2 * spec["frozen"]].weight.requires_grad_(False)
-    return model
+        layers[spec["frozen"]].weight.requires_grad_(False)
+    mods = [m for layer in layers for m in (layer, nn.Tanh())][:-1]
+    if spec["extra"] == "bf16":
+        mods = [Cast(torch.bfloat16), layers[0].to(torch.bfloat16), Cast(torch.float32), *mods[1:]]
+    return nn.Sequential(*mods)
+
+
+def _state(spec, model, optimizer):
+    state = {"model": model, "optim": optimizer, "position": 0, "step": 0}
+    if spec["extra"] == "sched":
+        state["sched"] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    if spec["extra"] == "shared":
+        state["head"] = model[-1]
+    return state
 
 
 def _optimizer(spec, model):
@@ -58,12 +82,14 @@ def _batch(step):
     return torch.randn(GLOBAL_BATCH, D_IN, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
 
 
-def _train_step(model, optimizer, step, rank, world):
+def _train_step(state, step, rank, world):
     x, y = _batch(step)
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    optimizer.zero_grad(set_to_none=True)
-    (model(x[rows]) - y[rows]).square().mean().backward()  # fsdp averages over the ranks
-    optimizer.step()
+    state["optim"].zero_grad(set_to_none=True)
+    (state["model"](x[rows]) - y[rows]).square().mean().backward()  # fsdp: mean over ranks
+    state["optim"].step()
+    if "sched" in state:
+        state["sched"].step()
 
 
 def _shard(model, hsdp=False):
@@ -96,26 +122,25 @@ def _new_world(name, rank, world, host):
 def trial(seed, me):
     rnd = random.Random(seed)
     spec = {"hidden": [rnd.randint(1, 9) for _ in range(rnd.randint(1, 3))],
-            "frozen": None, "optim": rnd.choice(["adamw", "sgd"])}
+            "frozen": None, "optim": rnd.choice(["adamw", "sgd"]), "extra": EXTRAS[seed]}
     if rnd.random() < 0.5:
         spec["frozen"] = rnd.randrange(len(spec["hidden"]) + 1)
     every = rnd.choice([1, 2, 3]) if seed else 0
     hsdp = seed >= HSDP_FROM  # the replicas on the other node are the copies
     lost_at = rnd.randint(1, STEPS - 1)  # at this step's start, after its refresh if any
     settled = rnd.random() < 0.6  # False: lost while that refresh's exchange was in flight
-    settled = settled or hsdp  # HSDP exchanges nothing: its snapshot is kept at once
+    settled = settled or hsdp or spec["extra"] == "join"  # HSDP: nothing exchanged
     order = rnd.sample([0, 1, 3], 3)  # old rank -> new rank by position
 
     reference = _model(spec, seed)
-    ref_opt = _optimizer(spec, reference)
+    ref_state = _state(spec, reference, _optimizer(spec, reference))
     for step in range(STEPS):
-        _train_step(reference, ref_opt, step, 0, 1)
+        _train_step(ref_state, step, 0, 1)
 
     stores = [_new_world(f"{seed}a", me, 4, me == 0)]
     model = _model(spec, seed)
     _shard(model, hsdp)
-    optimizer = _optimizer(spec, model)
-    state = {"model": model, "optim": optimizer, "position": 0, "step": 0}
+    state = _state(spec, model, _optimizer(spec, model))
     copies = Copies(every)
     while True:
         copies.refresh(state, round=seed * 10)
@@ -123,17 +148,24 @@ def trial(seed, me):
             if settled:
                 copies.settle()
             break
-        _train_step(model, optimizer, state["step"], me, 4)
+        _train_step(state, state["step"], me, 4)
         state["step"] += 1
         state["position"] += GLOBAL_BATCH
+    exact_at = state["step"]  # the full parameters here, to compare a restore of this step
+    before = [full_tensor(of(p), p.detach()).clone() for p in model.parameters()]
+    if spec["extra"] == "join":  # one step more, then a join's boundary snapshot
+        _train_step(state, state["step"], me, 4)
+        state["step"] += 1
+        state["position"] += GLOBAL_BATCH
+        copies.keep_own(state, round=seed * 10)
     dist.barrier()  # every rank is done with the old world before any leaves it
     _teardown(state)
     result = {}
     if me != 2:  # rank 2's node is lost; rank 3 comes back as a fresh process would
         if me == 3:
             model = _model(spec, seed + 77)
-            optimizer = _optimizer(spec, model)
-            state = {"model": model, "optim": optimizer, "position": -1, "step": 0}
+            state = _state(spec, model, _optimizer(spec, model))
+            state["position"] = -1
             copies = Copies(every)
         new_rank = order.index(me)
         stores.append(_new_world(f"{seed}b", new_rank, 3, new_rank == 0))
@@ -148,10 +180,13 @@ def trial(seed, me):
         else:
             result = {"covered": True, "used": used, "step": state["step"],
                       "position": state["position"]}
+            if state["step"] == exact_at:  # restored whole: bit for bit what was trained
+                result["restore_exact"] = all(torch.equal(p, b) for p, b in zip(
+                    model.parameters(), before, strict=True))
             _shard(model)
             copies.after_build()
             for step in range(state["step"], STEPS):
-                _train_step(model, optimizer, step, new_rank, 3)
+                _train_step(state, step, new_rank, 3)
             diffs = [(full_tensor(of(p), p.detach()) - q).abs().max().item()
                      for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
             result["max_diff"] = max(diffs)
@@ -161,14 +196,32 @@ def trial(seed, me):
     last_refresh = lost_at - lost_at % max(every, 1)
     if not settled and last_refresh == lost_at:  # its exchange never completed: the one before
         last_refresh -= max(every, 1)
+    if spec["extra"] == "join" and hsdp:  # every shard's own snapshot of the boundary survives
+        last_refresh = lost_at + 1
     return {"seed": seed, "every": every, "lost_at": lost_at, "expect_step": last_refresh,
-            "settled": settled, "hsdp": hsdp,
+            "settled": settled, "hsdp": hsdp, "extra": spec["extra"],
             "frozen": spec["frozen"], "optim": spec["optim"], **result}
+
+
+def adafactor_refused():
+    """Adafactor's factored moments are not of the parameter's shape: the refresh refuses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4))  # rows on every rank
+    _shard(model)
+    optimizer = torch.optim.Adafactor(model.parameters())
+    state = _state({"extra": "none"}, model, optimizer)
+    model(_batch(0)[0]).square().mean().backward()
+    optimizer.step()
+    try:
+        Copies(1).refresh(state, round=999)
+    except RuntimeError as e:
+        return str(e)
+    return "accepted"
 
 
 if __name__ == "__main__":
     ctx = init(timeout=60)
     trials = [trial(seed, ctx.rank) for seed in range(TRIALS)]
-    report({"trials": trials})
+    report({"trials": trials, "adafactor": adafactor_refused()})
     dist.destroy_process_group()
     exit_without_teardown()
