@@ -201,6 +201,9 @@ def elastic_problem(args):
                 "(no --offload) only (for now)")
     if args.copy_every < 0:
         return f"--copy-every must be >= 0 (got {args.copy_every})"
+    if args.dp_mode == "fsdp" and args.copy_every == 0 and not args.checkpoint_dir:
+        return ("--copy-every 0 with --dp-mode fsdp keeps no copy of a lost node's shards: "
+                "give --checkpoint-dir to recover from, or --copy-every N >= 1")
     if args.comm_hook != "none" or args.eval_every:
         return "--elastic in-place: not with --comm-hook or --eval-every (for now)"
     return None

@@ -172,13 +172,15 @@ def expected(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-def _same_curve(text: str, expected: dict[int, float]) -> None:
-    """Every step logged once, each loss the reference's (none lost, none repeated)."""
+def _same_curve(text: str, expected: dict[int, float], again=()) -> None:
+    """Every step logged once (those in ``again`` at most twice: trained again after a
+    restore from an older copy), each loss the reference's (none lost, none repeated)."""
     got = _losses(text)
     assert sorted(got) == list(range(1, STEPS + 1)), f"steps lost or repeated: {got}"
-    assert all(len(v) == 1 for v in got.values()), f"a step printed twice: {got}"
+    assert all(len(v) == 1 or (len(v) == 2 and s in again) for s, v in got.items()), \
+        f"a step printed twice: {got}"
     for step, value in expected.items():
-        assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
+        assert all(v == pytest.approx(value, abs=2e-4) for v in got[step]), (step, got)
 
 
 @pytest.mark.timeout(180)
@@ -218,16 +220,18 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected, dp_mo
     kept = {e["worker_pid"] for e in first.events() if e["kind"] == "worker_start"
             and e.get("in_place") and e["round"] == rounds[-1]["round"]}
     assert kept == before[rounds[0]["round"]], (kept, before)  # the same two processes
-    _same_curve(text, expected)
     worlds = [int(w) for w in re.findall(r"step \d+ \| loss .*\| world (\d+) ", text)]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, worlds  # lost, then joined
     if dp_mode == "ddp":
+        _same_curve(text, expected)
         assert "parameters identical on all 3 ranks: yes" in text, text
     else:  # the lost rank's rows from its keeper, at the failed step's start; then the join
         restored = re.findall(r"restored the fully sharded state of step (\d+) from memory "
                               r"\(the rows of the old world's (\d) shards", text)
         assert [int(n) for _, n in restored] == [3, 2], text
-        assert KILL_AFTER <= int(restored[0][0]) <= KILL_AFTER + 2, restored
+        # the step's copies, or (the node killed before its copy was out) the previous step's
+        assert KILL_AFTER - 1 <= int(restored[0][0]) <= KILL_AFTER + 2, restored
+        _same_curve(text, expected, again=range(int(restored[0][0]) + 1, KILL_AFTER + 1))
     kept = sorted(n for n in os.listdir(checkpoints) if n.startswith("step_"))
     assert kept == [f"step_{STEPS}", "step_999"], kept  # the saves went on; nobody loaded
 
