@@ -306,7 +306,7 @@ class _Loop:
         t0 = time.monotonic()
         if error is not None:  # an exchange of copies in flight fails now, or is complete
             shut_down_world_sockets()
-        self.copies.settle(failed_ok=True)
+        self.copies.settle(failed_ok=True, within=0.5 if error is not None else 5.0)
         if error is None:  # nodes join at a step boundary: every owner's rows are current
             self.copies.keep_own(self.state, self.round)
         while True:

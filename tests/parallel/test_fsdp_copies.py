@@ -57,3 +57,4 @@ def test_the_trials_cover_optimizers_frozen_layers_and_exchanges_in_flight(trial
     # restored bit for bit at least once
     assert {t["extra"] for t in ts if t.get("restore_exact")} >= {"bf16", "sched", "shared",
                                                                     "join"}, ts
+    assert any(t["extra"] == "to_ddp" and t["covered"] for t in ts), ts  # whole, trained on

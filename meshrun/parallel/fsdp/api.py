@@ -339,6 +339,10 @@ def release(module: nn.Module) -> list[nn.Parameter]:
             released.append(p)
         m.__class__ = unit.undo.cls
         del m._fsdp_unit
+        # the last forward's unsharded tensors hold the autograd graph that holds each
+        # parameter's gradient accumulator, made for its shard's shape: drop them, or a
+        # parameter given its full tensor again fails its next backward on that shape
+        unit.full, unit.gather, unit.grad_accum, unit.root = None, None, None, None
     order = {id(p): i for i, p in enumerate(module.parameters())}
     return sorted(released, key=lambda p: order.get(id(p), len(order)))
 

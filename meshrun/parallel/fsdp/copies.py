@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
@@ -185,14 +186,23 @@ class Copies:
         self._pending = (world, new, dist.batch_isend_irecv(ops))
         return True
 
-    def settle(self, failed_ok: bool = False) -> None:
+    def settle(self, failed_ok: bool = False, within: float | None = None) -> None:
         """Wait for the exchange in flight (`refresh` only starts it: it overlaps the step)
         and keep its snapshots. One that fails (a peer vanished) leaves the previous
-        generation in place, and its error propagates unless ``failed_ok``."""
+        generation in place, and its error propagates unless ``failed_ok``. ``within``:
+        wait at most this many seconds, then leave it as failed (gloo's receive from a peer
+        that died before it sent is not ended by the pair's error: it would wait for the
+        collective timeout)."""
         if self._pending is None:
             return
         world, new, works = self._pending
         self._pending = None
+        if within is not None:
+            deadline = time.monotonic() + within
+            while not all(w.is_completed() for w in works):
+                if time.monotonic() >= deadline:
+                    return  # dropped: the previous generation stays
+                time.sleep(0.005)
         try:
             for work in works:
                 work.wait()

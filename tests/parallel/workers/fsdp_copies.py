@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel import Mesh, fully_shard
+from meshrun.parallel import Mesh, ddp, fully_shard
 from meshrun.parallel.context import init, rejoin
 from meshrun.parallel.elastic import _teardown
 from meshrun.parallel.fsdp.copies import Copies, NotCovered
@@ -36,8 +36,9 @@ GLOBAL_BATCH, STEPS, D_IN = 12, 6, 5  # 12 rows split over 4, 3 or 1 ranks
 TRIALS, HSDP_FROM = 10, 7  # seeds 7-9 shard with HSDP (2 replicas x 2 shards) before the loss
 # per seed: bf16 (the first layer in bfloat16, the rest fp32), sched (an LR scheduler in the
 # state), shared (the last layer also under a second key of the state), join (a step more
-# after the refresh, then the snapshot of a join's boundary, then the loss)
-EXTRAS = ["none", "bf16", "sched", "shared", "join", "none", "bf16", "sched", "join", "shared"]
+# after the refresh, then the snapshot of a join's boundary, then the loss), to_ddp (the new
+# world trains the restored model with ddp instead of sharding it again)
+EXTRAS = ["none", "bf16", "sched", "shared", "join", "to_ddp", "bf16", "sched", "join", "shared"]
 
 
 class Cast(nn.Module):
@@ -183,7 +184,10 @@ def trial(seed, me):
             if state["step"] == exact_at:  # restored whole: bit for bit what was trained
                 result["restore_exact"] = all(torch.equal(p, b) for p, b in zip(
                     model.parameters(), before, strict=True))
-            _shard(model)
+            if spec["extra"] == "to_ddp":
+                ddp(model)
+            else:
+                _shard(model)
             copies.after_build()
             for step in range(state["step"], STEPS):
                 _train_step(state, step, new_rank, 3)
