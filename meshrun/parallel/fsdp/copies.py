@@ -45,9 +45,9 @@ from __future__ import annotations
 import copy
 import math
 import os
-import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -197,15 +197,12 @@ class Copies:
             return
         world, new, works = self._pending
         self._pending = None
-        if within is not None:
-            deadline = time.monotonic() + within
-            while not all(w.is_completed() for w in works):
-                if time.monotonic() >= deadline:
-                    return  # dropped: the previous generation stays
-                time.sleep(0.005)
         try:
-            for work in works:
-                work.wait()
+            for work in works:  # (gloo's is_completed() stays False until a wait)
+                if within is None:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=within))
         except RuntimeError:
             if failed_ok:
                 return
