@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -197,12 +198,14 @@ class Copies:
             return
         world, new, works = self._pending
         self._pending = None
+        deadline = None if within is None else time.monotonic() + within
         try:
             for work in works:  # (gloo's is_completed() stays False until a wait)
-                if within is None:
+                if deadline is None:
                     work.wait()
-                else:
-                    work.wait(timedelta(seconds=within))
+                else:  # one bound for all of them, not `within` each
+                    left = max(deadline - time.monotonic(), 0.001)
+                    work.wait(timedelta(seconds=left))
         except RuntimeError:
             if failed_ok:
                 return
