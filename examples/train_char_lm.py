@@ -403,7 +403,9 @@ def train_in_place(args, model, data, device):
     each change of world); ``state`` is what the ranks agree on after a change. The rule of
     `elastic.steps` holds: each step's collectives (ddp's gradient all-reduce, the clip's
     norm, the logged loss) come before its effects (the optimizer step, the data position),
-    so a step either completed or left the state as it was."""
+    so a step either completed or left the state as it was. A step's line is printed after
+    its ``with`` block, once the step is done (its neighbour copies out, with fsdp): a
+    printed step is never trained again."""
     from meshrun.parallel import elastic
 
     def build():  # the mesh and ddp for the current world, on the live model
@@ -421,6 +423,7 @@ def train_in_place(args, model, data, device):
     # then retried in the new world like a step when a peer is lost there
     for attempt in elastic.steps(state, args.steps + 1, build=build, resume=resume,
                                  copy_every=args.copy_every):
+        line = None
         with attempt:
             par, step, global_batch = attempt.world, attempt.step, state["global_batch"]
             if args.sleep_per_step:  # before the step's collectives: a fault lands mid-step
@@ -453,10 +456,11 @@ def train_in_place(args, model, data, device):
             optimizer.step()  # the step's effects, after its collectives
             state["position"] += global_batch
             if log and master_now():
-                ms = (time.perf_counter() - t0) * 1000 / (done - first)
-                print(f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} | "
-                      f"lr {lr:.2e} | world {dist.get_world_size()} | {ms:.0f} ms/step",
-                      flush=True)
+                line = (f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} "
+                        f"| lr {lr:.2e} | world {dist.get_world_size()}")
+        if attempt.done and line is not None:  # not before: a step not done is tried again
+            ms = (time.perf_counter() - t0) * 1000 / (done - first)
+            print(f"{line} | {ms:.0f} ms/step", flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -31,6 +31,14 @@ rank (all its collectives returned) or left that rank's state untouched. Ranks m
 differ by one step (a rank's last all-reduce can return while a peer's fails): step 3's
 agreement settles that.
 
+A step is done when its ``with`` block is left: under ``fully_shard`` its end exchanges the
+neighbour copies of the state it produced (every ``copy_every`` steps) and waits for them,
+so a node lost before then makes the step fail and be tried again (it was not done), and a
+node lost after finds the step's result in memory. A script that reports a step after its
+``with`` block (``if attempt.done: print(...)``) therefore never reports a step that is
+trained again, whatever the moment of the loss (``copy_every`` 1); a report inside the
+block can be of a step that is then tried again.
+
 When nodes join, no collective fails: `steps()` looks for the agent's offer (one small file
 read) before each step and changes world there, at a step boundary; its teardown makes any
 peer blocked on it fail and follow. The joiners' fresh workers run ``build()`` and the
@@ -101,15 +109,19 @@ class Attempt:
         world: what ``build()`` returned for the current world (the mesh, the parallelized
             model); take it from here on every attempt, it changes with the world.
         changes: how many times this process changed world in place so far.
+        done: the step completed (its body returned and its copies are out): read it after
+            the ``with`` block.
     """
 
-    def __init__(self, step: int, world: object, changes: int):
+    def __init__(self, step: int, world: object, changes: int,
+                 finish: Callable[[], None] = lambda: None):
         self.step = step
         self.world = world
         self.changes = changes
         self.entered = False
         self.done = False
         self.error: BaseException | None = None
+        self._finish = finish  # the loop's end of a completed step (`_Loop.finish_step`)
 
     def __enter__(self) -> Attempt:
         self.entered = True
@@ -117,6 +129,13 @@ class Attempt:
 
     def __exit__(self, kind, error, tb) -> bool:
         if error is None:
+            try:
+                self._finish()
+            except RuntimeError as e:  # the step's copies failed: the step is not done
+                if not peer_lost(e):
+                    raise
+                self.error = e
+                return False
             self.done = True
             return False
         if peer_lost(error):
@@ -155,12 +174,13 @@ def steps(
             vanished; then the collective's error is raised (the agent restarts the group
             as usual).
         copy_every: a model sharded with ``fully_shard`` (over the whole world): refresh
-            the neighbour copies every this many steps, at the step's start
-            (`meshrun.parallel.fsdp.copies`: each rank keeps its own rows and those of a
-            rank on another node, so one node's loss is recovered from memory). 1: nothing
-            is trained twice after a loss; N: up to N - 1 steps are trained again (the same
-            data, the same result), for 1/N of the copies' cost; 0: none (a lost node's
-            rows come from the last checkpoint: ``resume``). Unused without ``fully_shard``.
+            the neighbour copies every this many steps, at the step's end (and at a new
+            world's first step's start; `meshrun.parallel.fsdp.copies`: each rank keeps its
+            own rows and those of a rank on another node, so one node's loss is recovered
+            from memory). 1: no done step is trained again after a loss; N: up to N - 1 are
+            (the same data, the same result), for 1/N of the copies' cost; 0: none (a lost
+            node's rows come from the last checkpoint: ``resume``). Unused without
+            ``fully_shard``.
 
     Raises:
         RuntimeError: the collective error of a vanished peer when no new world came within
@@ -176,14 +196,15 @@ def steps(
         if in_place.offer_after(loop.round) is not None:  # a node joins: no collective failed
             loop.change_world(None)
             continue
-        try:
-            loop.copies.refresh(state, loop.round)  # fully_shard: the neighbour copies
+        try:  # fully_shard, a new world's first step: its copies (the step's end: the rest)
+            loop.copies.refresh(state, loop.round)
         except RuntimeError as e:
             if not peer_lost(e):
                 raise
             loop.change_world(e)
             continue
-        attempt = Attempt(state["step"], loop.built, loop.changes)
+        attempt = Attempt(state["step"], loop.built, loop.changes,
+                          finish=lambda: loop.finish_step(total))
         rng = torch.get_rng_state()
         watch = _OfferWatch(loop.round) if in_place.channel() is not None else None
         try:
@@ -191,8 +212,7 @@ def steps(
         finally:
             if watch is not None:
                 watch.stop()
-        if attempt.done:
-            state["step"] += 1
+        if attempt.done:  # (`finish_step` counted it)
             continue
         if not attempt.entered:
             raise RuntimeError("meshrun.parallel.elastic.steps: use each attempt as "
@@ -279,6 +299,18 @@ class _Loop:
             if not peer_lost(e):
                 raise
             self.change_world(e)
+
+    def finish_step(self, total: int) -> None:
+        """The end of a step whose body returned: count it, then (``fully_shard``, a refresh
+        step, steps left) exchange the copies of the state it produced, wait for them and
+        confirm that every rank has them (`Copies.confirm`), so that a done step is in a
+        peer's memory. Raises the exchange's error (a peer vanished): the step is then not
+        done, and the copies of the previous generation are still held."""
+        self.state["step"] += 1
+        if self.state["step"] < total:
+            self.copies.refresh(self.state, self.round)  # (settles one in flight first)
+            self.copies.settle()
+            self.copies.confirm()
 
     def _restore(self, holdings: list[dict]) -> str | None:
         """A fully sharded model: its state from the survivors' copies ("memory"), else

@@ -52,6 +52,10 @@ def test_the_trials_cover_optimizers_frozen_layers_and_exchanges_in_flight(trial
     assert any(t["frozen"] is not None for t in ts), ts
     assert any(t["every"] and t["step"] < t["lost_at"] for t in ts), ts  # steps trained again
     assert any(t["every"] and not t["settled"] and not t["hsdp"] for t in ts), ts  # mid-exchange
+    # the exchange complete on one survivor and not on the other: a refresh that dropped the
+    # previous generation as soon as its own exchange completed would leave nothing in common
+    partly = [t for t in ts if t["partly"] and t["every"] and t["lost_at"] % t["every"] == 0]
+    assert partly and all(t["covered"] for t in partly), ts
     assert sum(t["hsdp"] for t in ts) == 3, ts
     # mixed dtypes, an LR scheduler, a parameter under two keys, a join's snapshot: each
     # restored bit for bit at least once

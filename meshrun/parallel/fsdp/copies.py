@@ -7,7 +7,7 @@ optimizer state, so a node lost takes those rows with it. `Copies` keeps, on eac
 - **its own snapshot**: its packed rows (parameters, then each optimizer state tensor of the
   parameter's shape: Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum) and what every
   rank holds whole (the other values of the loop's ``state``, buffers, unsharded parameters,
-  the optimizers' scalars and hyper-parameters, the RNG state), taken at a step's start;
+  the optimizers' scalars and hyper-parameters, the RNG state), taken at a step's end;
 - **its neighbour's packed rows**, from the same step: rank r sends its rows to its *keeper*,
   the rank with r's local rank (modulo that node's size) on the next node, so the keeper is
   on another node whenever the world spans several.
@@ -19,8 +19,10 @@ common step (its owner, or its keeper when the owner's node was lost), broadcast
 new world, whose ranks (joiners included) then hold the full model and optimizer state at
 that step, as if no strategy had been applied; the script's ``build()`` shards it again over
 the new world and `after_build` cuts the optimizer state to the new rows. Steps done since
-that step are trained again (``every`` 1: none). When the copies do not cover every old rank
-(two nodes lost together, a node lost during the exchange itself, copies off), `restore`
+that step are trained again (``every`` 1: none). A generation is dropped only once a newer
+one is confirmed on every rank (`confirm`), so a node lost during an exchange leaves the
+previous one held by all. When the copies do not cover every old rank (two nodes lost
+together, a node lost during a new world's first exchange, copies off), `restore`
 says so and the caller falls back to the last checkpoint.
 
 HSDP (shards within a node, replicas across nodes) exchanges nothing: a refresh keeps each
@@ -121,7 +123,7 @@ class Copies:
     """This rank's snapshots for in-place recovery of fully sharded state (module docstring).
 
     Args:
-        every: refresh every this many steps (1: at every step's start, nothing is trained
+        every: refresh every this many steps (1: at every step's end, nothing is trained
             twice after a loss; 0: never: a lost node's rows are then only on disk).
 
     Raises:
@@ -142,17 +144,21 @@ class Copies:
         self._neighbours: tuple[tuple, list[int], list[int]] | None = None
         self._pending: tuple | None = None  # the exchange in flight (see `settle`)
         self._spare: torch.Tensor | None = None  # a dropped own snapshot, for the next one
+        self._unconfirmed = False  # a generation was kept since the last `confirm`
 
     # -- while training ---------------------------------------------------------------------
 
     def refresh(self, state: MutableMapping, round: int) -> bool:
-        """At the start of step ``state["step"]`` (every ``every`` steps, and at the first
-        call in a new world, whatever the step): snapshot this rank and start the exchange
-        with the keeper (a collective: every rank calls it at the same step; the transfer
-        overlaps the step, the next call or `settle` waits for it). The snapshots replace the
-        previous ones only once the exchange completed on this rank, so a node lost during it
-        leaves every rank with one consistent generation (the previous one). Returns whether
-        it ran (a refresh step, the model fully sharded, the world more than one node).
+        """Snapshot this rank at ``state["step"]`` steps done (every ``every`` steps, and at
+        the first call in a new world, whatever the step) and start the exchange with the
+        keeper (a collective: every rank calls it at the same step; `settle` waits for it,
+        or the next call: the transfer may overlap a step). The loop calls it at each step's
+        end, then `settle` and `confirm`, and at a new world's first step's start. The new
+        generation is kept once the exchange completed on this rank, beside the previous
+        one until `confirm`, so a node lost during it leaves every rank a generation held
+        by all (the previous one, or this one where every exchange completed). Returns
+        whether it ran (a refresh step, the model fully sharded, the world more than one
+        node).
 
         Raises:
             RuntimeError: the model is sharded some other way than FSDP or HSDP over the
@@ -171,7 +177,7 @@ class Copies:
         if self.world == world and (shard, step) in self.held:
             return False  # a retried step: the copies of its start are in place
         if replicas > 1:  # HSDP: the other replicas hold the same rows; nothing to send
-            self._commit(world, {(shard, step): self._take(state, world)}, replace=True)
+            self._commit(world, {(shard, step): self._take(state, world)})
             return True
         if self._neighbours is None or self._neighbours[0] != world:
             self._neighbours = (world, *_neighbours())
@@ -210,7 +216,24 @@ class Copies:
             if failed_ok:
                 return
             raise
-        self._commit(world, new, replace=True)
+        self._commit(world, new)
+
+    def confirm(self) -> None:
+        """After `settle` kept a generation: one all-reduce of the world proves that every
+        rank kept it too (each enters only once its own exchange completed), so the older
+        generations go. A rank whose confirmation fails (a peer vanished) keeps them: the
+        peer that failed its exchange holds only those, and `restore` takes the newest step
+        held by all. A collective whenever a generation was kept since the last call (every
+        rank the same: refreshes happen at the same steps everywhere)."""
+        if not self._unconfirmed:
+            return
+        dist.all_reduce(torch.zeros(1, device=group_device(None)))
+        self._unconfirmed = False
+        newest = max(step for _, step in self.held)
+        own = [s for (_, step), s in self.held.items() if step != newest and s.whole is not None]
+        if own:
+            self._spare = own[0].packed
+        self.held = {key: s for key, s in self.held.items() if key[1] == newest}
 
     def keep_own(self, state: MutableMapping, round: int) -> None:
         """Snapshot this rank's rows and whole state at ``state["step"]`` (local: no
@@ -221,24 +244,24 @@ class Copies:
         if not _sharded(state):
             return
         world, shard, _ = _world(state, round)
-        self._commit(world, {(shard, int(state["step"])): self._take(state, world)},
-                     replace=False)
+        self._commit(world, {(shard, int(state["step"])): self._take(state, world)})
 
     def _take(self, state: MutableMapping, world: tuple[int, int, int]) -> _Snapshot:
         taken = _take(state, world[2], spare=self._spare)
         self._spare = None
         return taken
 
-    def _commit(self, world, new: dict[tuple[int, int], _Snapshot], replace: bool) -> None:
-        if replace or self.world != world:
-            dropped = [s for key, s in self.held.items() if key not in new]
-            own = [s for s in dropped if s.whole is not None]
+    def _commit(self, world, new: dict[tuple[int, int], _Snapshot]) -> None:
+        """Keep ``new`` beside what is held of the same world (until `confirm`); another
+        world's snapshots go (a complete generation of this world replaces them)."""
+        if self.world != world:
+            own = [s for key, s in self.held.items() if key not in new and s.whole is not None]
             if own:
                 self._spare = own[0].packed
-            self.held = dict(new)
-        else:
-            self.held.update(new)
+            self.held = {}
+        self.held.update(new)
         self.world = world
+        self._unconfirmed = True
 
     # -- after a change of world ------------------------------------------------------------
 

@@ -3,9 +3,11 @@ posing as 2 nodes of 2 (GROUP_RANK = rank // 2).
 
 Each seeded trial draws a model (Linear layers of random sizes, rows fewer than ranks
 included, a frozen layer sometimes), an optimizer (AdamW or SGD with momentum) and a refresh
-interval, and trains it with `fully_shard` over the 4 ranks, refreshing the copies at each
-step's start. At a random step one node is lost: rank 2 leaves, and rank 3 comes back as a
-joiner (a fresh process would: a plain model of other values, an empty optimizer, no copies).
+interval, and trains it with `fully_shard` over the 4 ranks, refreshing the copies as
+`meshrun.parallel.elastic` does (at the first step's start, then at each step's end: refresh,
+settle, confirm). At a random step's end one node is lost, its exchange of copies complete on
+every survivor, on none (in flight), or on one of the two (partly: only the previous generation
+is then held by all); rank 2 leaves, and rank 3 comes back as a joiner (a fresh process would: a plain model of other values, an empty optimizer, no copies).
 The three then form a new world (their ranks permuted), restore the state from the
 copies, shard it again over 3 and train to the end. Three trials shard with HSDP before the
 loss (shards within a node, replicas across the two): there the other node's replicas are
@@ -39,6 +41,9 @@ TRIALS, HSDP_FROM = 10, 7  # seeds 7-9 shard with HSDP (2 replicas x 2 shards) b
 # after the refresh, then the snapshot of a join's boundary, then the loss), to_ddp (the new
 # world trains the restored model with ddp instead of sharding it again)
 EXTRAS = ["none", "bf16", "sched", "shared", "join", "to_ddp", "bf16", "sched", "join", "shared"]
+# per seed: how far the exchange of the loss's step got (HSDP and join: nothing in flight)
+EXCHANGE = ["settled", "partly", "flight", "partly", "settled", "flight", "settled", "settled",
+            "settled", "settled"]
 
 
 class Cast(nn.Module):
@@ -128,9 +133,11 @@ def trial(seed, me):
         spec["frozen"] = rnd.randrange(len(spec["hidden"]) + 1)
     every = rnd.choice([1, 2, 3]) if seed else 0
     hsdp = seed >= HSDP_FROM  # the replicas on the other node are the copies
-    lost_at = rnd.randint(1, STEPS - 1)  # at this step's start, after its refresh if any
-    settled = rnd.random() < 0.6  # False: lost while that refresh's exchange was in flight
-    settled = settled or hsdp or spec["extra"] == "join"  # HSDP: nothing exchanged
+    lost_at = rnd.randint(1, STEPS - 1)  # at the end of this many steps, in its refresh
+    exchange = EXCHANGE[seed]
+    assert exchange == "settled" or not (hsdp or spec["extra"] == "join")
+    if exchange != "settled" and every:  # lost in an exchange: at a refresh step's end
+        lost_at = max(every, lost_at - lost_at % every)
     order = rnd.sample([0, 1, 3], 3)  # old rank -> new rank by position
 
     reference = _model(spec, seed)
@@ -143,15 +150,18 @@ def trial(seed, me):
     _shard(model, hsdp)
     state = _state(spec, model, _optimizer(spec, model))
     copies = Copies(every)
+    copies.refresh(state, round=seed * 10)  # a new world's first step's start
     while True:
-        copies.refresh(state, round=seed * 10)
-        if state["step"] == lost_at:
-            if settled:
-                copies.settle()
-            break
         _train_step(state, state["step"], me, 4)
         state["step"] += 1
         state["position"] += GLOBAL_BATCH
+        copies.refresh(state, round=seed * 10)  # the step's end (`_Loop.finish_step`)
+        if state["step"] == lost_at:
+            if exchange == "settled" or (exchange == "partly" and me == 0):
+                copies.settle()
+            break
+        copies.settle()
+        copies.confirm()
     exact_at = state["step"]  # the full parameters here, to compare a restore of this step
     before = [full_tensor(of(p), p.detach()).clone() for p in model.parameters()]
     if spec["extra"] == "join":  # one step more, then a join's boundary snapshot
@@ -198,12 +208,12 @@ def trial(seed, me):
     stores.append(_new_world(f"{seed}c", me, 4, me == 0))  # everyone, for the next trial
     dist.barrier()
     last_refresh = lost_at - lost_at % max(every, 1)
-    if not settled and last_refresh == lost_at:  # its exchange never completed: the one before
+    if exchange != "settled" and last_refresh == lost_at:  # not held by all: the one before
         last_refresh -= max(every, 1)
     if spec["extra"] == "join" and hsdp:  # every shard's own snapshot of the boundary survives
         last_refresh = lost_at + 1
     return {"seed": seed, "every": every, "lost_at": lost_at, "expect_step": last_refresh,
-            "settled": settled, "hsdp": hsdp, "extra": spec["extra"],
+            "settled": exchange == "settled", "partly": exchange == "partly", "hsdp": hsdp, "extra": spec["extra"],
             "frozen": spec["frozen"], "optim": spec["optim"], **result}
 
 
