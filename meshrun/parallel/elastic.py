@@ -32,12 +32,15 @@ differ by one step (a rank's last all-reduce can return while a peer's fails): s
 agreement settles that.
 
 A step is done when its ``with`` block is left: under ``fully_shard`` its end exchanges the
-neighbour copies of the state it produced (every ``copy_every`` steps) and waits for them,
-so a node lost before then makes the step fail and be tried again (it was not done), and a
-node lost after finds the step's result in memory. A script that reports a step after its
-``with`` block (``if attempt.done: print(...)``) therefore never reports a step that is
-trained again, whatever the moment of the loss (``copy_every`` 1); a report inside the
-block can be of a step that is then tried again.
+neighbour copies of the state it produced (every ``copy_every`` steps), waits for them and
+confirms with one small all-reduce that every rank has them. A node lost before the copies
+are everywhere makes the step fail and be tried again; a node lost after finds the step's
+result in memory. A loss during that end is decided by the restore, the same on every rank
+(`_Loop.finish_step`): ``attempt.done`` is true when the step's copies were restored. A
+script that reports a step after its ``with`` block (``if attempt.done: print(...)``)
+therefore reports every step once and never one that is trained again, whatever the moment
+of the loss (``copy_every`` 1); a report inside the block can be of a step that is then
+tried again.
 
 When nodes join, no collective fails: `steps()` looks for the agent's offer (one small file
 read) before each step and changes world there, at a step boundary; its teardown makes any
@@ -60,6 +63,7 @@ agent's rendezvous is the quorum.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import re
@@ -114,14 +118,15 @@ class Attempt:
     """
 
     def __init__(self, step: int, world: object, changes: int,
-                 finish: Callable[[], None] = lambda: None):
+                 finish: Callable[[], bool] = lambda: True):
         self.step = step
         self.world = world
         self.changes = changes
         self.entered = False
         self.done = False
+        self.ended = False  # the body returned and the loop's end of the step ran
         self.error: BaseException | None = None
-        self._finish = finish  # the loop's end of a completed step (`_Loop.finish_step`)
+        self._finish = finish  # the loop's end of a step whose body returned: done?
 
     def __enter__(self) -> Attempt:
         self.entered = True
@@ -129,14 +134,8 @@ class Attempt:
 
     def __exit__(self, kind, error, tb) -> bool:
         if error is None:
-            try:
-                self._finish()
-            except RuntimeError as e:  # the step's copies failed: the step is not done
-                if not peer_lost(e):
-                    raise
-                self.error = e
-                return False
-            self.done = True
+            self.done = self._finish()  # (False: a peer vanished there; the world changed)
+            self.ended = True
             return False
         if peer_lost(error):
             self.error = error
@@ -203,17 +202,17 @@ def steps(
                 raise
             loop.change_world(e)
             continue
-        attempt = Attempt(state["step"], loop.built, loop.changes,
-                          finish=lambda: loop.finish_step(total))
         rng = torch.get_rng_state()
         watch = _OfferWatch(loop.round) if in_place.channel() is not None else None
+        attempt = Attempt(state["step"], loop.built, loop.changes,
+                          finish=functools.partial(loop.finish_step, total, watch))
         try:
             yield attempt
         finally:
             if watch is not None:
                 watch.stop()
-        if attempt.done:  # (`finish_step` counted it)
-            continue
+        if attempt.ended:  # `finish_step` counted it, or changed world and restored the
+            continue  # state it found (the step is then done, or is tried again)
         if not attempt.entered:
             raise RuntimeError("meshrun.parallel.elastic.steps: use each attempt as "
                                "`with attempt:` around the step's body")
@@ -300,17 +299,32 @@ class _Loop:
                 raise
             self.change_world(e)
 
-    def finish_step(self, total: int) -> None:
+    def finish_step(self, total: int, watch: _OfferWatch | None) -> bool:
         """The end of a step whose body returned: count it, then (``fully_shard``, a refresh
         step, steps left) exchange the copies of the state it produced, wait for them and
         confirm that every rank has them (`Copies.confirm`), so that a done step is in a
-        peer's memory. Raises the exchange's error (a peer vanished): the step is then not
-        done, and the copies of the previous generation are still held."""
+        peer's memory. Returns whether the step is done. A peer that vanishes meanwhile
+        changes world here, and the restore decides, the same on every rank: the step is
+        done if every survivor held its copies (the exchange completed everywhere, the
+        confirmation did not), else the state before it is restored and the step is tried
+        again. Deciding after the restore keeps a rank from reporting a step that is trained
+        again, or from skipping the report of one that was restored as done."""
+        step = self.state["step"]
         self.state["step"] += 1
-        if self.state["step"] < total:
+        if self.state["step"] >= total:
+            return True
+        try:
             self.copies.refresh(self.state, self.round)  # (settles one in flight first)
             self.copies.settle()
             self.copies.confirm()
+        except RuntimeError as e:
+            if not peer_lost(e):
+                raise
+            if watch is not None:  # its round is over: it must not shut the next one down
+                watch.stop()
+            self.change_world(e)
+            return self.state["step"] > step
+        return True
 
     def _restore(self, holdings: list[dict]) -> str | None:
         """A fully sharded model: its state from the survivors' copies ("memory"), else

@@ -38,6 +38,7 @@ from tests.rendezvous.etcd_fixtures import ETCD, SKIP_REASON, EtcdCluster
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_char_lm.py"
 IGNORER = Path(__file__).resolve().parent / "scripts" / "in_place_ignorer.py"
+DIES_BEFORE_CONFIRMING = Path(__file__).resolve().parent / "scripts" / "dies_before_confirming.py"
 STEPS, KILL_AFTER, JOIN_AFTER = 24, 4, 6
 TRAIN = ("--steps", str(STEPS), "--batch-size", "4", "--global-batch-size", "12",
          "--log-every", "1")
@@ -233,6 +234,22 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected, dp_mo
         _same_curve(text, expected)
     kept = sorted(n for n in os.listdir(checkpoints) if n.startswith("step_"))
     assert kept == [f"step_{STEPS}", "step_999"], kept  # the saves went on; nobody loaded
+
+
+@pytest.mark.timeout(180)
+def test_a_node_lost_between_its_copies_and_their_confirmation(tmp_path, expected):
+    # fsdp: the node dies once step 4's copies were exchanged, before the all-reduce that
+    # confirms them: every survivor holds them, so step 4 is restored from memory as done and
+    # printed once (a rank that decided "not done" before the restore skipped its line)
+    script = [str(DIES_BEFORE_CONFIRMING), "--elastic", "in-place", "--dp-mode", "fsdp",
+              *TRAIN]
+    first, second = _two_nodes(tmp_path, script, 2, DIE_AT_STEP=str(KILL_AFTER))
+    with _stopped_at_end([first, second]):
+        assert first.proc.wait(120) == 0, first.text()
+        second.proc.wait(30)
+    text = first.text()
+    assert f"restored the fully sharded state of step {KILL_AFTER} from memory" in text, text
+    _same_curve(text, expected)
 
 
 @pytest.mark.timeout(180)
