@@ -173,8 +173,8 @@ def steps(
             vanished; then the collective's error is raised (the agent restarts the group
             as usual).
         copy_every: a model sharded with ``fully_shard`` (over the whole world): refresh
-            the neighbour copies every this many steps, at the step's end (and at a new
-            world's first step's start; `meshrun.parallel.fsdp.copies`: each rank keeps its
+            the neighbour copies every this many steps, at the step's end (and before a
+            new world's first step; `meshrun.parallel.fsdp.copies`: each rank keeps its
             own rows and those of a rank on another node, so one node's loss is recovered
             from memory). 1: no done step is trained again after a loss; N: up to N - 1 are
             (the same data, the same result), for 1/N of the copies' cost; 0: none (a lost
@@ -195,8 +195,12 @@ def steps(
         if in_place.offer_after(loop.round) is not None:  # a node joins: no collective failed
             loop.change_world(None)
             continue
-        try:  # fully_shard, a new world's first step: its copies (the step's end: the rest)
+        # fully_shard: a new world's first copies, before its first step trains (a loss in
+        # that step would find only the old world's); each step's end: `finish_step`
+        try:
             loop.copies.refresh(state, loop.round)
+            loop.copies.settle()
+            loop.copies.confirm()
         except RuntimeError as e:
             if not peer_lost(e):
                 raise

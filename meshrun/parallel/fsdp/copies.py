@@ -153,7 +153,7 @@ class Copies:
         the first call in a new world, whatever the step) and start the exchange with the
         keeper (a collective: every rank calls it at the same step; `settle` waits for it,
         or the next call: the transfer may overlap a step). The loop calls it at each step's
-        end, then `settle` and `confirm`, and at a new world's first step's start. The new
+        end and before a new world's first step, then `settle` and `confirm`. The new
         generation is kept once the exchange completed on this rank, beside the previous
         one until `confirm`, so a node lost during it leaves every rank a generation held
         by all (the previous one, or this one where every exchange completed). Returns

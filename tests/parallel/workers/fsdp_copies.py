@@ -151,6 +151,8 @@ def trial(seed, me):
     state = _state(spec, model, _optimizer(spec, model))
     copies = Copies(every)
     copies.refresh(state, round=seed * 10)  # a new world's first step's start
+    copies.settle()
+    copies.confirm()
     while True:
         _train_step(state, state["step"], me, 4)
         state["step"] += 1
