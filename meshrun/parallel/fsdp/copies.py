@@ -311,8 +311,11 @@ class Copies:
                 f"this one)")
 
     def after_build(self) -> None:
-        """After ``build()`` sharded the restored model again: cut each restored optimizer
-        state tensor (full shape) to this rank's new rows."""
+        """After ``build()`` in a new world (every rank, joiners included): cut each restored
+        optimizer state tensor (full shape) to this rank's new rows, and leave what the old
+        world kept unconfirmed so: `confirm` is a collective of the new world, called for
+        its own generations only (a fresh process has none of the old world's)."""
+        self._unconfirmed = False
         for p, optimizer, key in self._restored:
             unit = getattr(p, "_fsdp_unit", None)
             if unit is None:
