@@ -182,25 +182,25 @@ def parse_args(argv=None):
         args.pp = int(os.environ.get("WORLD_SIZE", 1))
     elif args.parallel is not None:
         args.dp_mode = args.parallel
-    # bad flags: one line from rank 0 (every rank would print the same), exit 2 on every rank
+    # bad flags: one line and exit 2, on every rank (a launcher's report names the first rank
+    # to exit, whichever it is: its output must say why)
     problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", 1))) or elastic_problem(args)
     if problem:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"{p.prog}: error: {problem}", file=sys.stderr)
+        print(f"{p.prog}: error: {problem}", file=sys.stderr)
         sys.exit(2)
     return args
 
 
 def elastic_problem(args):
     """What ``--elastic in-place`` cannot do with the other flags (yet), or None."""
+    if args.copy_every < 0:
+        return f"--copy-every must be >= 0 (got {args.copy_every})"
     if args.elastic != "in-place":
         return None
     if args.dp_mode not in ("ddp", "fsdp") or args.pp > 1 or args.tp > 1 or args.cp > 1 \
             or args.dp or args.offload:
         return ("--elastic in-place: pure data parallelism with --dp-mode ddp or fsdp "
                 "(no --offload) only (for now)")
-    if args.copy_every < 0:
-        return f"--copy-every must be >= 0 (got {args.copy_every})"
     if args.dp_mode == "fsdp" and args.copy_every == 0 and not args.checkpoint_dir:
         return ("--copy-every 0 with --dp-mode fsdp keeps no copy of a lost node's shards: "
                 "give --checkpoint-dir to recover from, or --copy-every N >= 1")
@@ -404,8 +404,9 @@ def train_in_place(args, model, data, device):
     `elastic.steps` holds: each step's collectives (ddp's gradient all-reduce, the clip's
     norm, the logged loss) come before its effects (the optimizer step, the data position),
     so a step either completed or left the state as it was. A step's line is printed after
-    its ``with`` block, once the step is done (its neighbour copies out, with fsdp): a
-    printed step is never trained again."""
+    its ``with`` block, once the step is done (with fsdp: its neighbour copies out), by rank
+    0 of the world it ended in: with ddp, or fsdp and ``--copy-every 1``, a printed step is
+    never trained again (``--copy-every N``: up to N - 1 are)."""
     from meshrun.parallel import elastic
 
     def build():  # the mesh and ddp for the current world, on the live model
@@ -455,11 +456,11 @@ def train_in_place(args, model, data, device):
                 dist.all_reduce(loss)  # the last collective of the step
             optimizer.step()  # the step's effects, after its collectives
             state["position"] += global_batch
-            if log and master_now():
+            if log:  # on every rank: rank 0 may be another process once the step is done
                 line = (f"step {done} | loss {loss.item():.4f} | grad norm {grad_norm:.4f} "
                         f"| lr {lr:.2e} | world {dist.get_world_size()}")
-        if attempt.done and line is not None:  # not before: a step not done is tried again
-            ms = (time.perf_counter() - t0) * 1000 / (done - first)
+        if attempt.done and line is not None and master_now():  # not before: a step that is
+            ms = (time.perf_counter() - t0) * 1000 / (done - first)  # not done is tried again
             print(f"{line} | {ms:.0f} ms/step", flush=True)
     dist.destroy_process_group()
     return 0

@@ -170,8 +170,8 @@ def steps(
             included. A worker that joins ranks which have trained does not read the disk:
             it takes their state.
         wait_timeout: seconds to wait for the agent's offer of a new world after a peer
-            vanished; then the collective's error is raised (the agent restarts the group
-            as usual).
+            vanished; then a RuntimeError saying so is raised, from the collective's error
+            (the agent restarts the group as usual).
         copy_every: a model sharded with ``fully_shard`` (over the whole world): refresh
             the neighbour copies every this many steps, at the step's end (and before a
             new world's first step; `meshrun.parallel.fsdp.copies`: each rank keeps its
@@ -182,9 +182,9 @@ def steps(
             ``fully_shard``.
 
     Raises:
-        RuntimeError: the collective error of a vanished peer when no new world came within
-            ``wait_timeout`` (or the process was not started by a meshrun agent); an
-            attempt that was not entered with ``with``.
+        RuntimeError: no new world came within ``wait_timeout`` of a peer vanishing (its
+            cause: the collective's error; that error itself when the process was not
+            started by a meshrun agent); an attempt that was not entered with ``with``.
         Any exception of the step's body that is not a vanished peer (`peer_lost`).
     """
     state.setdefault("step", 0)
@@ -305,22 +305,24 @@ class _Loop:
 
     def finish_step(self, total: int, watch: _OfferWatch | None) -> bool:
         """The end of a step whose body returned: count it, then (``fully_shard``, a refresh
-        step, steps left) exchange the copies of the state it produced, wait for them and
-        confirm that every rank has them (`Copies.confirm`), so that a done step is in a
-        peer's memory. Returns whether the step is done. A peer that vanishes meanwhile
-        changes world here, and the restore decides, the same on every rank: the step is
-        done if every survivor held its copies (the exchange completed everywhere, the
-        confirmation did not), else the state before it is restored and the step is tried
-        again. Deciding after the restore keeps a rank from reporting a step that is trained
-        again, or from skipping the report of one that was restored as done."""
+        step) exchange the copies of the state it produced, wait for them and confirm that
+        every rank has them (`Copies.confirm`), so that a done step is in a peer's memory;
+        after the last step, a barrier: no rank leaves the loop (and exits 0) while a peer
+        may still be lost in place (its agent would restart the whole group). Returns
+        whether the step is done. A peer that vanishes meanwhile changes world here, and the
+        restore decides, the same on every rank: the step is done if every survivor held its
+        copies (the exchange completed everywhere, the confirmation did not), else the state
+        before it is restored and the step is tried again. Deciding after the restore keeps
+        a rank from reporting a step that is trained again, or from skipping the report of
+        one that was restored as done."""
         step = self.state["step"]
         self.state["step"] += 1
-        if self.state["step"] >= total:
-            return True
         try:
             self.copies.refresh(self.state, self.round)  # (settles one in flight first)
             self.copies.settle()
             self.copies.confirm()
+            if self.state["step"] >= total:
+                dist.barrier()
         except RuntimeError as e:
             if not peer_lost(e):
                 raise
@@ -391,7 +393,11 @@ class _Loop:
                 if error is None:
                     raise RuntimeError("meshrun.parallel.elastic: the agent's offer of a new "
                                        "world went away")
-                raise error
+                if in_place.channel() is None:  # not under a meshrun agent
+                    raise error
+                raise RuntimeError(f"meshrun.parallel.elastic: no new world from the agent "
+                                   f"within {self.wait_timeout:g} s (wait_timeout) of a peer "
+                                   f"vanishing: {_first_line(error)}") from error
             time.sleep(0.02)
 
 

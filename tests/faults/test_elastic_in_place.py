@@ -237,18 +237,23 @@ def test_survivors_keep_their_processes_and_every_step(tmp_path, expected, dp_mo
 
 
 @pytest.mark.timeout(180)
-def test_a_node_lost_between_its_copies_and_their_confirmation(tmp_path, expected):
-    # fsdp: the node dies once step 4's copies were exchanged, before the all-reduce that
-    # confirms them: every survivor holds them, so step 4 is restored from memory as done and
-    # printed once (a rank that decided "not done" before the restore skipped its line)
+@pytest.mark.parametrize("die_at", [KILL_AFTER, STEPS + 1])
+def test_a_node_lost_between_its_copies_and_their_confirmation(tmp_path, expected, die_at):
+    # fsdp: the node dies once the copies of step `die_at` were exchanged, before the
+    # all-reduce that confirms them: every survivor holds them, so that step is restored
+    # from memory as done and printed once (a rank that decided "not done" before the restore
+    # skipped its line). STEPS + 1: the attempt after the last step (the example's end),
+    # which has no collective of its own without checkpoints: the survivors leaving the loop
+    # while their peer is being lost made the agent restart the group from step 0
     script = [str(DIES_BEFORE_CONFIRMING), "--elastic", "in-place", "--dp-mode", "fsdp",
               *TRAIN]
-    first, second = _two_nodes(tmp_path, script, 2, DIE_AT_STEP=str(KILL_AFTER))
+    first, second = _two_nodes(tmp_path, script, 2, DIE_AT_STEP=str(die_at))
     with _stopped_at_end([first, second]):
         assert first.proc.wait(120) == 0, first.text()
         second.proc.wait(30)
     text = first.text()
-    assert f"restored the fully sharded state of step {KILL_AFTER} from memory" in text, text
+    assert f"restored the fully sharded state of step {die_at} from memory" in text, text
+    assert "restarting the worker group" not in text, text
     _same_curve(text, expected)
 
 
@@ -379,7 +384,7 @@ def test_node_rank_0_lost_on_etcd(tmp_path, expected):
                      launcher_args=("--node-rank", "0"))
         second = Node(tmp_path, "second", None, 2, False, script, etcd=cluster.endpoint,
                       launcher_args=("--node-rank", "1"))
-        nodes = [first, second]
+        nodes += [first, second]
         _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
                                 first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
         before = _worker_pids(second)
@@ -406,3 +411,32 @@ def test_node_rank_0_lost_on_etcd(tmp_path, expected):
         for got in (before_kill, after):
             if step in got:
                 assert got[step][0] == pytest.approx(value, abs=2e-4), (step, got, expected)
+
+
+@pytest.mark.timeout(180)
+def test_rank_0_lost_before_confirming_on_etcd(tmp_path, expected):
+    # fsdp: node rank 0 (rank 0, the one that prints) dies once step 4's copies are out,
+    # before their confirmation: the survivors restore step 4 as done, and their new rank 0
+    # prints it (the line is built on every rank, printed by rank 0 of the world the step
+    # ended in): every step printed once, by one node or the other
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    (tmp_path / "etcd").mkdir()
+    cluster = EtcdCluster(tmp_path / "etcd").start()
+    script = [str(DIES_BEFORE_CONFIRMING), "--elastic", "in-place", "--dp-mode", "fsdp",
+              *TRAIN]
+    env = {"DIE_NODE": "0", "DIE_AT_STEP": str(KILL_AFTER)}
+    nodes = []
+    with _stopped_at_end(nodes):
+        nodes += [Node(tmp_path, "first", None, 1, False, script, etcd=cluster.endpoint,
+                       launcher_args=("--node-rank", "0"), **env),
+                  Node(tmp_path, "second", None, 2, False, script, etcd=cluster.endpoint,
+                       launcher_args=("--node-rank", "1"), **env)]
+        first, second = nodes
+        assert second.proc.wait(120) == 0, second.text()
+        first.proc.wait(30)
+        cluster.stop()
+    text = second.text()
+    assert f"restored the fully sharded state of step {KILL_AFTER} from memory" in text, text
+    assert "restarting the worker group" not in text, text
+    _same_curve(first.text() + text, expected)

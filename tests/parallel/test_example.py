@@ -107,6 +107,9 @@ def test_bad_layout_is_one_line_and_exit_2():
     assert run.returncode == 2, run.output
     assert sum(line in text for text in run.output.splitlines()) >= 1, run.output
     assert "Traceback" not in run.output, run.output
+    if "Root cause" in run.output:  # meshrun's report: whichever rank exited first says why
+        root = run.output.split("Root cause", 1)[1].split("Other failures", 1)[0]
+        assert line in root, run.output
 
 
 @pytest.mark.timeout(300)
