@@ -369,28 +369,35 @@ def test_a_worker_that_does_not_confirm_is_restarted(tmp_path):
     assert int(fresh.group(1)) in pids[int(fresh.group(2))], pids
 
 
+@contextlib.contextmanager
+def _on_etcd(tmp: Path, script: list[str], **env: str):
+    """A one-member etcd and two nodes on it: node rank 0 with one worker, node rank 1 with
+    two; every node and the etcd member stopped at the end."""
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    (tmp / "etcd").mkdir()
+    cluster = EtcdCluster(tmp / "etcd").start()
+    try:
+        with _stopped_at_end([]) as nodes:
+            for name, nproc in (("first", 1), ("second", 2)):
+                nodes.append(Node(tmp, name, None, nproc, False, script, etcd=cluster.endpoint,
+                                  launcher_args=("--node-rank", str(nproc - 1)), **env))
+            yield nodes
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.timeout(180)
 def test_node_rank_0_lost_on_etcd(tmp_path, expected):
     # etcd has no store host: node rank 0 dies, and the survivor, node rank 1 with ranks 1-2,
     # becomes node rank 0 with ranks 0-1 and hosts the workers' store of the next round
-    if ETCD is None:
-        pytest.skip(SKIP_REASON)
-    (tmp_path / "etcd").mkdir()
-    cluster = EtcdCluster(tmp_path / "etcd").start()
-    script = [str(EXAMPLE), "--elastic", "in-place", *TRAIN]
-    nodes = []
-    with _stopped_at_end(nodes):
-        first = Node(tmp_path, "first", None, 1, False, script, etcd=cluster.endpoint,
-                     launcher_args=("--node-rank", "0"))
-        second = Node(tmp_path, "second", None, 2, False, script, etcd=cluster.endpoint,
-                      launcher_args=("--node-rank", "1"))
-        nodes += [first, second]
+    with _on_etcd(tmp_path, [str(EXAMPLE), "--elastic", "in-place", *TRAIN]) as nodes:
+        first, second = nodes
         _wait(lambda: re.search(rf"step {KILL_AFTER} \| loss [0-9.]+ .*\| world 3",
                                 first.text()), f"step {KILL_AFTER} at world 3", 90, nodes)
         before = _worker_pids(second)
         first.kill()
         assert second.proc.wait(90) == 0, second.text()
-        cluster.stop()
     text = second.text()
     assert _worker_pids(second) == before, second.events()  # never restarted
     rounds = [e for e in second.events() if e["kind"] == "round_start"]
@@ -419,23 +426,12 @@ def test_rank_0_lost_before_confirming_on_etcd(tmp_path, expected):
     # before their confirmation: the survivors restore step 4 as done, and their new rank 0
     # prints it (the line is built on every rank, printed by rank 0 of the world the step
     # ended in): every step printed once, by one node or the other
-    if ETCD is None:
-        pytest.skip(SKIP_REASON)
-    (tmp_path / "etcd").mkdir()
-    cluster = EtcdCluster(tmp_path / "etcd").start()
     script = [str(DIES_BEFORE_CONFIRMING), "--elastic", "in-place", "--dp-mode", "fsdp",
               *TRAIN]
-    env = {"DIE_NODE": "0", "DIE_AT_STEP": str(KILL_AFTER)}
-    nodes = []
-    with _stopped_at_end(nodes):
-        nodes += [Node(tmp_path, "first", None, 1, False, script, etcd=cluster.endpoint,
-                       launcher_args=("--node-rank", "0"), **env),
-                  Node(tmp_path, "second", None, 2, False, script, etcd=cluster.endpoint,
-                       launcher_args=("--node-rank", "1"), **env)]
+    with _on_etcd(tmp_path, script, DIE_NODE="0", DIE_AT_STEP=str(KILL_AFTER)) as nodes:
         first, second = nodes
         assert second.proc.wait(120) == 0, second.text()
         first.proc.wait(30)
-        cluster.stop()
     text = second.text()
     assert f"restored the fully sharded state of step {KILL_AFTER} from memory" in text, text
     assert "restarting the worker group" not in text, text
