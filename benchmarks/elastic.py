@@ -491,7 +491,7 @@ def part2(args: argparse.Namespace) -> None:
 # ``--copy-block`` steps per mode, back to back, the order rotating. The cost of a mode is the
 # median over the rounds of its block's time over that round's block without copies, - 1
 # (pairing within a round cancels the load's drift); the copies' own time at a refresh step's
-# end is printed beside it (as `meshrun.parallel.elastic` does it: refresh, settle, confirm;
+# end is printed beside it (as `meshrun.parallel.elastic` does it: `Copies.exchange`;
 # packing, the exchange and the confirming all-reduce, all on the step's critical path).
 # Target: at most 5 % of step time at the interval chosen.
 
@@ -527,9 +527,7 @@ def copies_worker(rank: int, port: int, args: dict, out: str) -> None:
         if copies is None:
             return None
         t0 = time.perf_counter()  # the step's end, as elastic.steps does it (finish_step)
-        ran = copies.refresh(state, 0)
-        copies.settle()
-        copies.confirm()
+        ran = copies.exchange(state, 0)
         return time.perf_counter() - t0 if ran else None
 
     for _ in range(args["warmup"]):

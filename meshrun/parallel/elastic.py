@@ -117,8 +117,7 @@ class Attempt:
             the ``with`` block.
     """
 
-    def __init__(self, step: int, world: object, changes: int,
-                 finish: Callable[[], bool] = lambda: True):
+    def __init__(self, step: int, world: object, changes: int, finish: Callable[[], bool]):
         self.step = step
         self.world = world
         self.changes = changes
@@ -198,9 +197,7 @@ def steps(
         # fully_shard: a new world's first copies, before its first step trains (a loss in
         # that step would find only the old world's); each step's end: `finish_step`
         try:
-            loop.copies.refresh(state, loop.round)
-            loop.copies.settle()
-            loop.copies.confirm()
+            loop.copies.exchange(state, loop.round)
         except RuntimeError as e:
             if not peer_lost(e):
                 raise
@@ -223,7 +220,6 @@ def steps(
         torch.set_rng_state(rng)  # the step is tried again from its own start
         error, attempt = attempt.error, None  # the attempt's world is the old one's
         loop.change_world(error)
-    loop.copies.settle(failed_ok=True)  # the last exchange of copies: nothing waits for it
 
 
 class _OfferWatch:
@@ -318,9 +314,7 @@ class _Loop:
         step = self.state["step"]
         self.state["step"] += 1
         try:
-            self.copies.refresh(self.state, self.round)  # (settles one in flight first)
-            self.copies.settle()
-            self.copies.confirm()
+            self.copies.exchange(self.state, self.round)
             if self.state["step"] >= total:
                 dist.barrier()
         except RuntimeError as e:
@@ -356,9 +350,6 @@ class _Loop:
         from meshrun.parallel.context import rejoin
 
         t0 = time.monotonic()
-        if error is not None:  # an exchange of copies in flight fails now, or is complete
-            shut_down_world_sockets()
-        self.copies.settle(failed_ok=True, within=0.5 if error is not None else 5.0)
         if error is None:  # nodes join at a step boundary: every owner's rows are current
             self.copies.keep_own(self.state, self.round)
         while True:

@@ -47,10 +47,8 @@ from __future__ import annotations
 import copy
 import math
 import os
-import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -152,8 +150,8 @@ class Copies:
         """Snapshot this rank at ``state["step"]`` steps done (every ``every`` steps, and at
         the first call in a new world, whatever the step) and start the exchange with the
         keeper (a collective: every rank calls it at the same step; `settle` waits for it,
-        or the next call: the transfer may overlap a step). The loop calls it at each step's
-        end and before a new world's first step, then `settle` and `confirm`. The new
+        or the next call: the transfer may overlap a step). The loop calls all three
+        (`exchange`) at each step's end and before a new world's first step. The new
         generation is kept once the exchange completed on this rank, beside the previous
         one until `confirm`, so a node lost during it leaves every rank a generation held
         by all (the previous one, or this one where every exchange completed). Returns
@@ -165,7 +163,7 @@ class Copies:
                 whole world, or an optimizer keeps per-parameter state of another shape
                 (Adafactor's factored moments); a collective's error when a peer vanished.
         """
-        self.settle()  # the previous exchange, overlapped with the step since
+        self.settle()  # one still in flight (a caller that did not settle it)
         step = int(state["step"])
         if not _sharded(state):
             return False
@@ -193,30 +191,30 @@ class Copies:
         self._pending = (world, new, dist.batch_isend_irecv(ops))
         return True
 
-    def settle(self, failed_ok: bool = False, within: float | None = None) -> None:
-        """Wait for the exchange in flight (`refresh` only starts it: it overlaps the step)
-        and keep its snapshots. One that fails (a peer vanished) leaves the previous
-        generation in place, and its error propagates unless ``failed_ok``. ``within``:
-        wait at most this many seconds, then leave it as failed (gloo's receive from a peer
-        that died before it sent is not ended by the pair's error: it would wait for the
-        collective timeout)."""
+    def settle(self) -> None:
+        """Wait for the exchange in flight (`refresh` only starts it) and keep its snapshots.
+        One that fails (a peer vanished) leaves the previous generation in place and raises
+        its error."""
         if self._pending is None:
             return
         world, new, works = self._pending
         self._pending = None
-        deadline = None if within is None else time.monotonic() + within
-        try:
-            for work in works:  # (gloo's is_completed() stays False until a wait)
-                if deadline is None:
-                    work.wait()
-                else:  # one bound for all of them, not `within` each
-                    left = max(deadline - time.monotonic(), 0.001)
-                    work.wait(timedelta(seconds=left))
-        except RuntimeError:
-            if failed_ok:
-                return
-            raise
+        for work in works:  # (gloo's is_completed() stays False until a wait)
+            work.wait()
         self._commit(world, new)
+
+    def exchange(self, state: MutableMapping, round: int) -> bool:
+        """`refresh`, `settle` and `confirm`: when it returns, every rank holds the copies of
+        ``state`` now (a refresh step). What `meshrun.parallel.elastic` calls at each step's
+        end and before a new world's first step. Returns whether a refresh ran.
+
+        Raises:
+            RuntimeError: as `refresh`; a collective's error when a peer vanished.
+        """
+        ran = self.refresh(state, round)
+        self.settle()
+        self.confirm()
+        return ran
 
     def confirm(self) -> None:
         """After `settle` kept a generation: one all-reduce of the world proves that every

@@ -150,9 +150,7 @@ def trial(seed, me):
     _shard(model, hsdp)
     state = _state(spec, model, _optimizer(spec, model))
     copies = Copies(every)
-    copies.refresh(state, round=seed * 10)  # a new world's first step's start
-    copies.settle()
-    copies.confirm()
+    copies.exchange(state, round=seed * 10)  # before a new world's first step
     while True:
         _train_step(state, state["step"], me, 4)
         state["step"] += 1
