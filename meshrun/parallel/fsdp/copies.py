@@ -80,6 +80,13 @@ class _Layout:
     keys: list[list[str]]
     dtypes: list[list[str]]
 
+    def __post_init__(self):
+        # bytes of each block, and the offset of each parameter's first block, once: packing
+        # runs at every step's end
+        self._blocks = [[self.rows(i) * math.prod(self.shapes[i][1:]) * self.dtype(i, j).itemsize
+                         for j in range(1 + len(self.keys[i]))] for i in range(len(self.names))]
+        self._nbytes = sum(map(sum, self._blocks))
+
     def rows(self, i: int) -> int:
         return math.ceil(self.shapes[i][0] / self.shards)
 
@@ -91,22 +98,23 @@ class _Layout:
 
     def block(self, i: int, j: int) -> int:
         """Bytes of tensor j (0: the parameter, then its keys) of parameter i in a shard."""
-        return self.rows(i) * math.prod(self.shapes[i][1:]) * self.dtype(i, j).itemsize
+        return self._blocks[i][j]
 
     @property
     def nbytes(self) -> int:
-        return sum(self.block(i, j) for i in range(len(self.names))
-                   for j in range(1 + len(self.keys[i])))
+        return self._nbytes
 
     def as_dict(self) -> dict:
         return {"shards": self.shards, "names": self.names, "shapes": self.shapes,
                 "keys": self.keys, "dtypes": self.dtypes}
 
-    def empty(self, device, spare: torch.Tensor | None = None) -> torch.Tensor:
-        """A packed buffer (``spare`` when it fits; the padding is never read)."""
-        if spare is not None and spare.numel() == self.nbytes \
-                and spare.device == torch.device(device):
-            return spare
+    def empty(self, device, spares: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """A packed buffer: one taken from ``spares`` when one fits (the padding is never
+        read), else a new one."""
+        device = torch.device(device)
+        for k, spare in enumerate(spares or ()):
+            if spare.numel() == self.nbytes and spare.device == device:
+                return spares.pop(k)
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
 
@@ -141,7 +149,9 @@ class Copies:
         self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
         self._neighbours: tuple[tuple, list[int], list[int]] | None = None
         self._pending: tuple | None = None  # the exchange in flight (see `settle`)
-        self._spare: torch.Tensor | None = None  # a dropped own snapshot, for the next one
+        # packed buffers of dropped snapshots, for the next ones: no allocation (and no page
+        # faults on first touch) at a step's end
+        self._spares: list[torch.Tensor] = []
         self._unconfirmed = False  # a generation was kept since the last `confirm`
 
     # -- while training ---------------------------------------------------------------------
@@ -165,30 +175,33 @@ class Copies:
         """
         self.settle()  # one still in flight (a caller that did not settle it)
         step = int(state["step"])
-        if not _sharded(state):
+        params = _sharded(state)
+        if not params:
             return False
-        world, shard, replicas = _world(state, round)
+        world, shard, replicas = _world(state, round, params)
         if self.sharded is None or self.sharded[0] != world:
-            self.sharded = (world, _take(state, world[2], pack=False).layout)
+            self.sharded = (world, _layout(state, params, world[2]))
         if not self.every or (step % self.every and self.world == world):
             return False  # (a new world's first call refreshes: its copies start now)
         if self.world == world and (shard, step) in self.held:
             return False  # a retried step: the copies of its start are in place
         if replicas > 1:  # HSDP: the other replicas hold the same rows; nothing to send
-            self._commit(world, {(shard, step): self._take(state, world)})
+            self._commit(world, {(shard, step): self._take(state, world, params)})
             return True
         if self._neighbours is None or self._neighbours[0] != world:
             self._neighbours = (world, *_neighbours())
         _, keepers, sources = self._neighbours
         if not keepers:  # one node: its loss is everyone's, no copy can help
             return False
-        mine = self._take(state, world)
-        inbox = {src: torch.empty_like(mine.packed) for src in sources}
+        mine = self._take(state, world, params, whole=False)
+        inbox = {src: mine.layout.empty(mine.packed.device, self._spares) for src in sources}
         ops = [dist.P2POp(dist.isend, mine.packed, keeper) for keeper in keepers]
         ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
+        works = dist.batch_isend_irecv(ops)
+        mine.whole = _whole(state, {id(p) for _, p in params})  # while the rows travel
         new = {(shard, step): mine}
         new.update({(src, step): _Snapshot(buf, mine.layout) for src, buf in inbox.items()})
-        self._pending = (world, new, dist.batch_isend_irecv(ops))
+        self._pending = (world, new, works)
         return True
 
     def settle(self) -> None:
@@ -228,10 +241,7 @@ class Copies:
         dist.all_reduce(torch.zeros(1, device=group_device(None)))
         self._unconfirmed = False
         newest = max(step for _, step in self.held)
-        own = [s for (_, step), s in self.held.items() if step != newest and s.whole is not None]
-        if own:
-            self._spare = own[0].packed
-        self.held = {key: s for key, s in self.held.items() if key[1] == newest}
+        self._drop([key for key in self.held if key[1] != newest])
 
     def keep_own(self, state: MutableMapping, round: int) -> None:
         """Snapshot this rank's rows and whole state at ``state["step"]`` (local: no
@@ -239,24 +249,25 @@ class Copies:
         before it leaves a world at a step boundary (nodes join: every owner is alive and
         its current rows are what the new world needs; a node lost during the join finds
         the previous generation still there)."""
-        if not _sharded(state):
+        params = _sharded(state)
+        if not params:
             return
-        world, shard, _ = _world(state, round)
-        self._commit(world, {(shard, int(state["step"])): self._take(state, world)})
+        world, shard, _ = _world(state, round, params)
+        self._commit(world, {(shard, int(state["step"])): self._take(state, world, params)})
 
-    def _take(self, state: MutableMapping, world: tuple[int, int, int]) -> _Snapshot:
-        taken = _take(state, world[2], spare=self._spare)
-        self._spare = None
-        return taken
+    def _take(self, state: MutableMapping, world: tuple[int, int, int], params,
+              whole: bool = True) -> _Snapshot:
+        return _take(state, params, world[2], self._spares, whole)
+
+    def _drop(self, keys) -> None:
+        """Forget the snapshots at ``keys``; their buffers become the next ones'."""
+        self._spares = [self.held.pop(key).packed for key in keys]
 
     def _commit(self, world, new: dict[tuple[int, int], _Snapshot]) -> None:
         """Keep ``new`` beside what is held of the same world (until `confirm`); another
         world's snapshots go (a complete generation of this world replaces them)."""
         if self.world != world:
-            own = [s for key, s in self.held.items() if key not in new and s.whole is not None]
-            if own:
-                self._spare = own[0].packed
-            self.held = {}
+            self._drop([key for key in self.held if key not in new])
         self.held.update(new)
         self.world = world
         self._unconfirmed = True
@@ -373,27 +384,32 @@ class Copies:
         _set_whole(state, whole)
 
 
-def _take(state: MutableMapping, shards: int, pack: bool = True,
-          spare: torch.Tensor | None = None) -> _Snapshot:
-    """This rank's snapshot now (``pack`` False: the layout alone, no copy)."""
-    params = _sharded(state)
+def _layout(state: MutableMapping, params: list[tuple[str, nn.Parameter]],
+            shards: int) -> _Layout:
+    """The packed layout of ``params`` (`_sharded`'s) over ``shards`` shards now."""
     optimizers = _optimizers(state)
     keys = [_shard_keys(optimizers, name, p) for name, p in params]
     dtypes = [[str(t.dtype).removeprefix("torch.") for t in
                [p, *(_state_of(optimizers, p)[k] for k in ks)]]
               for (_, p), ks in zip(params, keys, strict=True)]
-    layout = _Layout(shards, [n for n, _ in params], [tuple(_unit_shape(p)) for _, p in params],
-                     keys, dtypes)
-    if not pack:
-        return _Snapshot(None, layout)
-    packed = layout.empty(params[0][1].device, spare)
+    return _Layout(shards, [n for n, _ in params], [tuple(_unit_shape(p)) for _, p in params],
+                   keys, dtypes)
+
+
+def _take(state: MutableMapping, params: list[tuple[str, nn.Parameter]], shards: int,
+          spares: list[torch.Tensor], whole: bool = True) -> _Snapshot:
+    """This rank's snapshot now: its packed rows (in a buffer from ``spares`` when one fits)
+    and, with ``whole``, what it holds whole."""
+    layout = _layout(state, params, shards)
+    optimizers = _optimizers(state)
+    packed = layout.empty(params[0][1].device, spares)
     offset = 0
     for i, (_, p) in enumerate(params):
-        for j, t in enumerate([p.detach(), *(_state_of(optimizers, p)[k] for k in keys[i])]):
+        for j, t in enumerate([p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]):
             raw = t.reshape(-1).view(torch.uint8)
             packed[offset:offset + raw.numel()].copy_(raw)
             offset += layout.block(i, j)
-    return _Snapshot(packed, layout, _whole(state, {id(p) for _, p in params}))
+    return _Snapshot(packed, layout, _whole(state, {id(p) for _, p in params}) if whole else None)
 
 
 def _plan(gathered: list[dict]) -> tuple[int, list[int], int]:
@@ -532,14 +548,16 @@ def _set_whole(state: MutableMapping, whole: dict) -> None:
     torch.set_rng_state(whole["rng"])
 
 
-def _world(state: MutableMapping, round: int) -> tuple[tuple[int, int, int], int, int]:
-    """((round, world size, shards), this rank's shard index, replicas) of the model's
-    sharding: FSDP over the whole world (replicas 1), or HSDP (shards x replicas = world).
+def _world(state: MutableMapping, round: int, params: list[tuple[str, nn.Parameter]]
+           ) -> tuple[tuple[int, int, int], int, int]:
+    """((round, world size, shards), this rank's shard index, replicas) of the sharding of
+    ``params`` (`_sharded`'s): FSDP over the whole world (replicas 1), or HSDP (shards x
+    replicas = world).
 
     Raises:
         RuntimeError: another layout (FSDP over part of the world: TP or PP beside it, or
             units of different groups)."""
-    units = {id(p._fsdp_unit): p._fsdp_unit for _, p in _sharded(state)}.values()
+    units = {id(p._fsdp_unit): p._fsdp_unit for _, p in params}.values()
     layouts = {(u.world_size, u.rank, u.replicas) for u in units}
     world = dist.get_world_size()
     (shards, shard, replicas), *others = layouts
