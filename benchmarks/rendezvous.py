@@ -180,7 +180,7 @@ def run(a: argparse.Namespace, sizes: list[int], parts: set[int], impls: list[st
                 f"(data dir {server.data_dir}, {fs_type(server.data_dir)}; default heartbeat "
                 "100 ms / election 1000 ms, default fsync"
                 + (f", {' '.join(server.extra)}" if server.extra else ", max-txn-ops 128 (default)")
-                + "), reached through its v3 JSON gateway with etcd3gw\n",
+                + "), reached through its v3 JSON gateway with urllib3\n",
                 flush=True,
             )
     if 1 in parts:
@@ -296,7 +296,7 @@ def part_time_to_rank(
     if with_etcd:
         print(
             "etcd: the same meshrun `Rendezvous` and counting, over an `EtcdStore` (etcd v3 "
-            "JSON gateway, etcd3gw) per agent, against the one etcd member of this run; agents "
+            "JSON gateway, urllib3) per agent, against the one etcd member of this run; agents "
             f"spread over {procs} processes like meshrun's on TCPStore, a fresh run id (key "
             "prefix) per case. Each agent holds three HTTP connections: the store's (opened "
             "and the job lease joined before 'go'), the heartbeat's (opened inside "

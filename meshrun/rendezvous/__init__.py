@@ -115,7 +115,7 @@ def _open_backend(
         )
         return store, c10d.outbound_address(host, port)
     if backend in ("etcd", "etcd-v3"):
-        from meshrun.rendezvous import etcd  # etcd3gw is imported only here
+        from meshrun.rendezvous import etcd  # urllib3 is imported only here
 
         store = etcd.open_etcd_store(endpoint, settings)
         host, port = store.options.endpoints[store.current_member]

@@ -399,7 +399,7 @@ class EtcdStore(Store):
                 if revision >= 0:
                     return last  # no later write: the key still exists
                 broken += 1  # the stream broke (the member failed over) or was compacted
-                if broken >= len(self._gw.clients):
+                if broken >= len(self._gw.members):
                     return None
                 checked = False
                 continue

@@ -2,18 +2,20 @@
 
 torch's etcd rendezvous backends speak etcd's v2 API only, which etcd 3.4 disables and 3.6
 removes. meshrun speaks v3, through etcd's JSON gateway (``/v3/...``, served by every etcd
->= 3.4 on its client port), with the ``etcd3gw`` client.
+>= 3.4 on its client port): JSON over HTTP POSTs, sent with ``urllib3``.
 
-Why ``etcd3gw``: it needs only ``requests`` -- no grpc, no protobuf. The gRPC clients pin or
-break on protobuf: ``etcd3`` 0.12 (2020, unmaintained) fails to import with protobuf >= 4
-unless ``PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python``; ``etcd-sdk-python`` needs
-protobuf >= 5.27.2 without declaring it. A launcher is installed next to the user's own
-packages, so it must not fight them over protobuf. The gateway costs about 1.4 ms per
-operation, which is nothing next to a rendezvous. What etcd3gw lacks, this module adds over
-the same gateway: user/password auth (``POST /v3/auth/authenticate``, the token sent as the
-``Authorization`` header, re-authenticated when etcd says it is invalid or expired), failover
-between cluster members, watches bounded by a timeout, and the lease calls (grant, keep-alive,
-revoke) that the store and its liveness build on.
+Why the JSON gateway: it needs no grpc and no protobuf. The gRPC clients pin or break on
+protobuf: ``etcd3`` 0.12 (2020, unmaintained) fails to import with protobuf >= 4 unless
+``PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python``; ``etcd-sdk-python`` needs protobuf >=
+5.27.2 without declaring it. A launcher is installed next to the user's own packages, so it
+must not fight them over protobuf. Why ``urllib3`` and not ``etcd3gw`` (its JSON-gateway client,
+on ``requests``), which meshrun used before: every call here is one POST of a small JSON body,
+and ``requests`` spent 0.55 ms of client CPU on each against urllib3's 0.25 ms (one kept-alive
+connection, 127.0.0.1); 1024 agents of one job on one host (`benchmarks/rendezvous.py`) spent
+most of their time there. etcd3gw gave only that POST: user/password auth (``POST
+/v3/auth/authenticate``, the token sent as the ``Authorization`` header, re-authenticated when
+etcd says it is invalid or expired), failover between cluster members, watches bounded by a
+timeout, and the lease calls (grant, keep-alive, revoke) were this module's already.
 
 Endpoints are ``host[:port]`` (default port 2379), comma-separated for a cluster: a request
 that cannot reach a member goes to the next one, and the gateway keeps the one that works. Only
@@ -137,45 +139,39 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
 
 
 class Gateway:
-    """One connection (a requests session) to an etcd cluster's JSON gateway, with failover.
+    """One connection per member to an etcd cluster's JSON gateway, with failover.
 
     Not shared between threads: the store, its liveness, its lease refresher and each watch
     thread have one.
     """
 
     def __init__(self, options: EtcdOptions):
-        import etcd3gw  # lazily: only the etcd backend needs it
-        import requests
+        import urllib3  # lazily: only the etcd backend needs it
 
         self.options = options
-        self._requests = requests
-        session = requests.Session()
-        # No proxies, .netrc or CA bundle from the environment: etcd is reached directly, and
-        # an explicit cacert must win over REQUESTS_CA_BUNDLE (which requests lets override a
-        # session's verify). Without cacert, the environment's bundle is still honoured.
-        session.trust_env = False
-        env_bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
-        session.verify = options.cacert or env_bundle or True
-        if options.cacert:
-            session.verify = options.cacert
-        if options.cert:
-            session.cert = (options.cert, options.key)
+        self._urllib3 = urllib3
         rt = options.read_timeout
-        self.request_timeout = (min(2.0, max(0.5, rt / 4)), max(1.0, rt / 2))
-        self.session = session
-        self.clients = [
-            etcd3gw.Etcd3Client(
-                host=host,
-                port=port,
-                protocol=options.protocol,
-                timeout=self.request_timeout,
-                api_path="/v3/",  # etcd >= 3.4; saves a /version round trip per member
-                session=session,
-            )
+        connect, read = min(2.0, max(0.5, rt / 4)), max(1.0, rt / 2)
+        self.request_timeout = (connect, read)
+        self._timeout = urllib3.Timeout(connect=connect, read=read)
+        self.headers = {"Content-Type": "application/json"}  # + Authorization, once logged in
+        tls = {}
+        if options.protocol == "https":
+            # No CA bundle from the environment unless no cacert was given: an explicit cacert
+            # always wins (requests let REQUESTS_CA_BUNDLE override it). Hosts are verified.
+            env_bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+            tls = {"cert_reqs": "CERT_REQUIRED", "ca_certs": options.cacert or env_bundle}
+            if options.cert:
+                tls.update(cert_file=options.cert, key_file=options.key)
+        pool = urllib3.HTTPSConnectionPool if options.protocol == "https" else \
+            urllib3.HTTPConnectionPool
+        # one kept-alive connection per member for calls (a thread's calls are sequential);
+        # a watch takes a second one for as long as it streams
+        self.members = [
+            pool(host, port, maxsize=2, retries=False, timeout=self._timeout, **tls)
             for host, port in options.endpoints
         ]
         self.current = 0
-        self._exc = etcd3gw.exceptions
         if options.user:
             self._authenticate()
 
@@ -185,22 +181,19 @@ class Gateway:
         return f"{host}:{port}"
 
     @staticmethod
-    def _message(e: Exception) -> str:
-        detail = getattr(e, "detail_text", None) or ""
+    def _message(status: int, data: bytes) -> str:
+        """The error text of a gateway reply with HTTP status ``status`` and body ``data``."""
+        detail = data.decode(errors="replace")
         try:
             body = json.loads(detail)
             text = body.get("message") or body.get("error") or detail
         except (ValueError, AttributeError):
-            text = detail or str(e) or type(e).__name__
+            text = detail or f"HTTP {status}"
         text = " ".join(str(text).split())
         return text.removeprefix("etcdserver: ")
 
-    def _is_tls_error(self, e: Exception) -> bool:
-        cause = e.__context__ or e
-        return isinstance(cause, self._requests.exceptions.SSLError) or "SSL" in str(e)
-
     def _tls_error(self, i: int, e: Exception) -> RendezvousError:
-        text = " ".join(str(e.__context__ or e).split())
+        text = " ".join(str(e).split())
         if "CERTIFICATE_VERIFY_FAILED" in text:
             why = "the server's certificate is not signed by the CA in --rdzv-conf cacert"
             if not self.options.cacert:
@@ -215,14 +208,22 @@ class Gateway:
 
     # -- calls ---------------------------------------------------------------------------------
     def _authenticate(self) -> None:
-        self.session.headers.pop("Authorization", None)
+        self.headers.pop("Authorization", None)
         result = self.call(
             "auth/authenticate",
             {"name": self.options.user, "password": self.options.password or ""},
             _auth=False,
         )
         if result.get("token"):  # none when this etcd has auth off: then none is needed
-            self.session.headers["Authorization"] = result["token"]
+            self.headers["Authorization"] = result["token"]
+
+    def _post(self, i: int, path: str, body: dict) -> tuple[int, bytes]:
+        """One POST to member ``i``: (HTTP status, body). Raises urllib3's errors as they are."""
+        response = self.members[i].urlopen(
+            "POST", "/v3/" + path, body=json.dumps(body), headers=self.headers,
+            retries=False, timeout=self._timeout,
+        )  # fmt: skip
+        return response.status, response.data
 
     def call(self, path: str, body: dict, *, _auth: bool = True) -> dict:
         """POST one v3 request to the current member, failing over to the others.
@@ -231,52 +232,55 @@ class Gateway:
             RendezvousError: etcd refused us (credentials, certificate, permission).
             StoreLostError: no member answered within ``read_timeout``.
         """
-        exc = self._exc
+        errors = self._urllib3.exceptions
         deadline = time.monotonic() + self.options.read_timeout
         reauthenticated = False
         last = "no answer"
-        n = len(self.clients)
+        n = len(self.members)
         while True:
             for step in range(n):
                 i = (self.current + step) % n
-                client = self.clients[i]
                 try:
-                    result = client.post(client.get_url(path), json=body)
-                    self.current = i
-                    return result
-                except (exc.ConnectionFailedError, exc.ConnectionTimeoutError) as e:
-                    if self._is_tls_error(e):
+                    status, data = self._post(i, path, body)
+                except (errors.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
+                    if isinstance(e, errors.SSLError) or "SSL" in str(e):
                         raise self._tls_error(i, e) from None
                     last = f"{self._member(i)}: {_connection_reason(e)}"
-                except exc.Etcd3Exception as e:
-                    message = self._message(e)
-                    lowered = message.lower()
-                    if "authentication failed" in lowered or "invalid user id or password" in lowered:
-                        raise RendezvousError(
-                            f"etcd at {self._member(i)} refused user {self.options.user!r}: "
-                            "wrong user name or password (--rdzv-conf user=..., password=...)"
-                        ) from None
-                    if "user name is empty" in lowered and not self.options.user:
-                        raise RendezvousError(
-                            f"etcd at {self._member(i)} requires authentication: give "
-                            "--rdzv-conf user=NAME,password=SECRET"
-                        ) from None
-                    if "permission denied" in lowered:
-                        raise RendezvousError(
-                            f"etcd at {self._member(i)}: permission denied for user "
-                            f"{self.options.user!r} on {path} (grant it a role on /meshrun/)"
-                        ) from None
-                    if "authentication is not enabled" in lowered and not _auth:
-                        return {}
-                    if _auth and self.options.user and not reauthenticated and any(
-                        word in lowered for word in _AUTH_RETRY
-                    ):
-                        reauthenticated = True
-                        self._authenticate()
-                        return self.call(path, body)
-                    if not any(word in lowered for word in _TRANSIENT):
-                        raise EtcdError(message) from None
-                    last = f"{self._member(i)}: {message[:200]}"
+                    continue
+                if status == 200:
+                    self.current = i
+                    return json.loads(data)
+                if status in _UNAVAILABLE:  # this member cannot serve now; another may
+                    last = f"{self._member(i)}: {_UNAVAILABLE[status]}"
+                    continue
+                message = self._message(status, data)
+                lowered = message.lower()
+                if "authentication failed" in lowered or "invalid user id or password" in lowered:
+                    raise RendezvousError(
+                        f"etcd at {self._member(i)} refused user {self.options.user!r}: "
+                        "wrong user name or password (--rdzv-conf user=..., password=...)"
+                    ) from None
+                if "user name is empty" in lowered and not self.options.user:
+                    raise RendezvousError(
+                        f"etcd at {self._member(i)} requires authentication: give "
+                        "--rdzv-conf user=NAME,password=SECRET"
+                    ) from None
+                if "permission denied" in lowered:
+                    raise RendezvousError(
+                        f"etcd at {self._member(i)}: permission denied for user "
+                        f"{self.options.user!r} on {path} (grant it a role on /meshrun/)"
+                    ) from None
+                if "authentication is not enabled" in lowered and not _auth:
+                    return {}
+                if _auth and self.options.user and not reauthenticated and any(
+                    word in lowered for word in _AUTH_RETRY
+                ):
+                    reauthenticated = True
+                    self._authenticate()
+                    return self.call(path, body)
+                if not any(word in lowered for word in _TRANSIENT):
+                    raise EtcdError(message) from None
+                last = f"{self._member(i)}: {message[:200]}"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StoreLostError(
@@ -286,17 +290,17 @@ class Gateway:
             time.sleep(min(0.2, remaining))
 
     def stream(self, path: str, body: dict, timeout: float):
-        """A streaming POST (a watch) to the current member; returns the open response.
+        """A streaming POST (a watch) to the current member; returns the open response
+        (urllib3's, unread), which the caller must ``close()``.
 
-        Raises the ``requests`` exceptions as they are: the caller decides (timeout or loss).
+        Raises urllib3's errors as they are: the caller decides (timeout or loss).
         """
-        client = self.clients[self.current]
-        return self.session.post(
-            client.get_url(path),
-            json=body,
-            stream=True,
-            timeout=(self.request_timeout[0], max(0.05, timeout)),
-        )
+        return self.members[self.current].urlopen(
+            "POST", "/v3/" + path, body=json.dumps(body), headers=self.headers,
+            retries=False, preload_content=False,
+            timeout=self._urllib3.Timeout(connect=self.request_timeout[0],
+                                          read=max(0.05, timeout)),
+        )  # fmt: skip
 
     # -- leases --------------------------------------------------------------------------------
     def grant(self, ttl: int) -> int:
@@ -325,30 +329,30 @@ class Gateway:
         ``(False, None, rev)`` on timeout; ``(False, None, -1)`` when the stream broke (the caller
         re-reads).
         """
-        requests = self._requests
-        from urllib3.exceptions import ReadTimeoutError
+        errors = self._urllib3.exceptions
         deadline = time.monotonic() + timeout
         body = {"create_request": {"key": b64(key), "start_revision": str(start)}}
         try:
             response = self.stream("watch", body, timeout)
-        except requests.exceptions.Timeout:
+        except errors.TimeoutError:
             return False, None, start - 1
-        except requests.exceptions.RequestException:
+        except (errors.HTTPError, OSError):
             self.fail_over()
             return False, None, -1
         buffer = b""
         try:
-            if response.status_code != 200:
+            if response.status != 200:
                 self.fail_over()
                 return False, None, -1
-            for chunk in response.iter_content(chunk_size=None):
+            for chunk in response.stream(None):
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if not line.strip():
                         continue
-                    result = json.loads(line).get("result", {})
-                    if result.get("canceled") or "error" in json.loads(line):
+                    message = json.loads(line)
+                    result = message.get("result", {})
+                    if result.get("canceled") or "error" in message:
                         return False, None, -1
                     for event in result.get("events") or []:
                         kv = event["kv"]
@@ -360,24 +364,21 @@ class Gateway:
                 if time.monotonic() >= deadline:
                     return False, None, start - 1
             return False, None, -1  # the member closed the stream
-        except requests.exceptions.ConnectionError as e:
-            reason = e.args[0] if e.args else None
-            if isinstance(reason, ReadTimeoutError):  # no event within the timeout
-                return False, None, start - 1
-            self.fail_over()
-            return False, None, -1
-        except requests.exceptions.RequestException:
+        except errors.ReadTimeoutError:  # no event within the timeout
+            return False, None, start - 1
+        except (errors.HTTPError, OSError):
             self.fail_over()
             return False, None, -1
         finally:
-            response.close()
+            response.close()  # a stream is never read to its end: its connection goes
 
     def fail_over(self) -> None:
         """Move on to the next member (the current one broke a stream)."""
-        self.current = (self.current + 1) % len(self.clients)
+        self.current = (self.current + 1) % len(self.members)
 
     def close(self) -> None:
-        self.session.close()
+        for pool in self.members:
+            pool.close()
 
 
 class EtcdError(RendezvousError):
@@ -432,6 +433,8 @@ _TRANSIENT = (
     "connection",
     "unavailable",
 )
+# HTTP statuses of a member that cannot serve now (what each is called in an error line)
+_UNAVAILABLE = {408: "timed out", 503: "member unavailable", 504: "timed out"}
 _AUTH_RETRY = ("invalid auth token", "auth token", "auth store is old", "user name is empty")
 
 
@@ -463,7 +466,7 @@ def _read_password_file(path: str) -> str:
 
 def _connection_reason(e: BaseException) -> str:
     """A short reason for a failed connection ("connection refused", "timed out", ...)."""
-    text = " ".join(str(e.__context__ or e).split())
+    text = " ".join(f"{e} {e.__context__ or ''}".split())
     for needle, short in (
         ("refused", "connection refused"),
         ("Name or service not known", "unknown host"),
@@ -471,12 +474,11 @@ def _connection_reason(e: BaseException) -> str:
         ("timed out", "timed out"),
         ("reset by peer", "connection reset"),
         ("RemoteDisconnected", "connection closed by the server"),
-        ("Service Unavailable", "member unavailable"),
+        ("closed connection without response", "connection closed by the server"),
     ):
         if needle in text:
             return short
-    detail = getattr(e, "detail_text", None)
-    return " ".join(str(detail or text).split())[:160]
+    return text[:160]
 
 
 __all__ = [

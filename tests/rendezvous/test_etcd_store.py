@@ -169,7 +169,7 @@ def test_the_history_is_read_with_a_fresh_token_from_a_member_that_answers(tmp_p
         store = store_at(cluster.endpoints, user="meshrun", password="s3cret", insecure="true")
         seen = store.set_once("/meshrun/t/state", b"succeeded").version
         store.delete_prefix("/meshrun/t/")
-        store._gw.session.headers["Authorization"] = "stale.token"  # noqa: SLF001 - expired
+        store._gw.headers["Authorization"] = "stale.token"  # noqa: SLF001 - expired
         cluster.members[store._gw.current].kill()  # noqa: SLF001 - the member it last used
         assert store.last_value("/meshrun/t/state", seen) == b"succeeded"
         store.close()
@@ -232,7 +232,7 @@ def test_auth_token_reauthenticated_and_wrong_password_refused(etcd_server):
     store = store_at(etcd_server.endpoint, user="meshrun", password="s3cret", insecure="true")
     try:
         store.set_once("/meshrun/t/k", b"v")
-        store._gw.session.headers["Authorization"] = "stale.token"  # as after a token expiry
+        store._gw.headers["Authorization"] = "stale.token"  # as after a token expiry
         assert store.get("/meshrun/t/k").value == b"v"
     finally:
         store.close()
