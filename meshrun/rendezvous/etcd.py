@@ -23,7 +23,8 @@ The contract on etcd (`meshrun.rendezvous.store`):
   a compare on a revision, a delete;
 - ``get_many`` is one read-only transaction of ranges;
 - ``wait_for_change`` reads once, then *watches* the key from the next revision, bounded by the
-  timeout: waiting costs no requests at all until something changes;
+  timeout: waiting costs no requests at all until something changes (a key that a
+  ``get_many`` found absent just before is watched from that read's revision, with no read);
 - liveness (`meshrun.rendezvous.etcd_liveness`): each node has a lease and the key
   ``<prefix>liveness/<node_id>`` bound to it; a node is alive while its key exists;
 - nothing outlives the job: every key the store writes is bound to a job-wide lease, shared
@@ -35,6 +36,7 @@ The contract on etcd (`meshrun.rendezvous.store`):
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 import uuid
@@ -56,6 +58,7 @@ from meshrun.rendezvous.store import Liveness, Store, Versioned
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops: more operations in one transaction fail
 
 
+_ABSENT_FRESH_S = 1.0  # how old a read that found a key absent may be to start a watch from
 _HISTORY_EVENTS = 256  # writes of one key replayed at most by `EtcdStore.last_value`
 _HISTORY_WAIT_S = 2.0  # history is served at once; this only ends a watch with no event
 
@@ -114,6 +117,9 @@ class EtcdStore(Store):
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
         self._livenesses: list[EtcdLiveness] = []
+        # the keys the last `get_many` found absent: {key: (that read's revision, when)}; a
+        # `wait_for_change` of one of them right after watches from there, without a read
+        self._absent: dict[str, tuple[int, float]] = {}
         if job_lease:
             self.job_lease = self._join_job_lease()
             self._refresher = threading.Thread(
@@ -128,9 +134,16 @@ class EtcdStore(Store):
         while True:
             current = self._get(key)
             if current is not None:
-                lease = int(current.value)
-                if self._gw.keepalive(lease) > 0:
-                    return lease
+                # ours is bound to the lease it names (it goes when that expires); anything
+                # else was written by another program and would be waited on for ever
+                value = bytes(current.value)
+                if not value.isdigit() or int(value) != current.lease:
+                    raise RendezvousError(
+                        f"{key} in {self.options.describe()} holds {value[:40]!r}, not this "
+                        "job's lease (another program wrote it); give the job another --rdzv-id"
+                    )
+                if self._gw.keepalive(current.lease) > 0:
+                    return current.lease
                 time.sleep(0.05)  # it expired just now: its key goes with it
                 continue
             lease = self._gw.grant(self.job_ttl)
@@ -141,8 +154,12 @@ class EtcdStore(Store):
 
     def _refresh_job_lease(self) -> None:
         gw = Gateway(self.options)
+        # the first refresh at a random moment of the period: agents started together (srun,
+        # a pod set) would otherwise refresh together, a burst of N requests every TTL/3
+        first = random.uniform(0.1, 1.0) * self.job_ttl / 3
         try:
-            while not self._stop.wait(self.job_ttl / 3):
+            while not self._stop.wait(first or self.job_ttl / 3):
+                first = 0
                 try:
                     if gw.keepalive(self.job_lease) <= 0 and self._lease_gone(gw):
                         self._lease_lost = True
@@ -235,15 +252,19 @@ class EtcdStore(Store):
     def get_many(self, keys: list[str]) -> list[Versioned | None]:
         """Read-only transactions of at most `TXN_MAX_OPS` ranges (etcd's default limit)."""
         out: list[Versioned | None] = []
+        self._absent = {}
         for start in range(0, len(keys), TXN_MAX_OPS):
             chunk = keys[start : start + TXN_MAX_OPS]
             result = self._call(
                 "kv/txn",
                 {"success": [{"request_range": {"key": b64(k)}} for k in chunk]},
             )
-            for response in result.get("responses") or []:
+            seen = (int(result["header"]["revision"]), time.monotonic())
+            for key, response in zip(chunk, result.get("responses") or [], strict=True):
                 kvs = response.get("response_range", {}).get("kvs") or []
                 out.append(self._versioned(Item.from_kv(kvs[0])) if kvs else None)
+                if not kvs:
+                    self._absent[key] = seen
         return out
 
     def compare_and_set(self, key, expected_version, value):
@@ -332,7 +353,13 @@ class EtcdStore(Store):
 
     def wait_for_change(self, key, version, timeout):
         deadline = time.monotonic() + timeout
-        item, revision = self._range(key)
+        seen = self._absent.pop(key, None)
+        if version == 0 and seen is not None and time.monotonic() - seen[1] < _ABSENT_FRESH_S:
+            # `get_many` found it absent just now: watch from that read's revision on (a key
+            # created since is replayed; compacted history breaks the watch: read then)
+            item, revision = None, seen[0]
+        else:
+            item, revision = self._range(key)
         while (item.version if item else 0) == version:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

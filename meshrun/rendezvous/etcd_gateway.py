@@ -225,7 +225,8 @@ class Gateway:
         )  # fmt: skip
         return response.status, response.data
 
-    def call(self, path: str, body: dict, *, _auth: bool = True) -> dict:
+    def call(self, path: str, body: dict, *, _auth: bool = True, _reauthenticated: bool = False
+             ) -> dict:
         """POST one v3 request to the current member, failing over to the others.
 
         Raises:
@@ -234,7 +235,7 @@ class Gateway:
         """
         errors = self._urllib3.exceptions
         deadline = time.monotonic() + self.options.read_timeout
-        reauthenticated = False
+        reauthenticated = _reauthenticated
         last = "no answer"
         n = len(self.members)
         while True:
@@ -249,7 +250,7 @@ class Gateway:
                     continue
                 if status == 200:
                     self.current = i
-                    return json.loads(data)
+                    return self._reply(i, data)
                 if status in _UNAVAILABLE:  # this member cannot serve now; another may
                     last = f"{self._member(i)}: {_UNAVAILABLE[status]}"
                     continue
@@ -275,10 +276,14 @@ class Gateway:
                 if _auth and self.options.user and not reauthenticated and any(
                     word in lowered for word in _AUTH_RETRY
                 ):
-                    reauthenticated = True
                     self._authenticate()
-                    return self.call(path, body)
+                    return self.call(path, body, _reauthenticated=True)  # once: then an error
                 if not any(word in lowered for word in _TRANSIENT):
+                    if not _is_etcd_error(data):  # another server on that port
+                        raise RendezvousError(
+                            f"etcd at {self._member(i)} answered HTTP {status} ({message[:120]}): "
+                            "not etcd's v3 gateway; is --rdzv-endpoint an etcd client port?"
+                        ) from None
                     raise EtcdError(message) from None
                 last = f"{self._member(i)}: {message[:200]}"
             remaining = deadline - time.monotonic()
@@ -288,6 +293,23 @@ class Gateway:
                     f"within read_timeout={self.options.read_timeout:g} s (last error: {last})"
                 )
             time.sleep(min(0.2, remaining))
+
+    def _reply(self, i: int, data: bytes) -> dict:
+        """The JSON object of a 200 reply from member ``i``.
+
+        Raises:
+            RendezvousError: the reply is not a JSON object (another server on that port).
+        """
+        try:
+            result = json.loads(data)
+        except ValueError:
+            result = None
+        if not isinstance(result, dict):
+            raise RendezvousError(
+                f"etcd at {self._member(i)} answered {bytes(data[:60])!r}, not etcd's v3 "
+                "gateway JSON; is --rdzv-endpoint an etcd client port?"
+            )
+        return result
 
     def stream(self, path: str, body: dict, timeout: float):
         """A streaming POST (a watch) to the current member; returns the open response
@@ -334,6 +356,9 @@ class Gateway:
         body = {"create_request": {"key": b64(key), "start_revision": str(start)}}
         try:
             response = self.stream("watch", body, timeout)
+        except errors.NewConnectionError:  # refused (urllib3 files it under timeouts)
+            self.fail_over()
+            return False, None, -1
         except errors.TimeoutError:
             return False, None, start - 1
         except (errors.HTTPError, OSError):
@@ -436,6 +461,15 @@ _TRANSIENT = (
 # HTTP statuses of a member that cannot serve now (what each is called in an error line)
 _UNAVAILABLE = {408: "timed out", 503: "member unavailable", 504: "timed out"}
 _AUTH_RETRY = ("invalid auth token", "auth token", "auth store is old", "user name is empty")
+
+
+def _is_etcd_error(data: bytes) -> bool:
+    """Whether an error reply's body is etcd's (a JSON object with an error or a message)."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and ("error" in body or "message" in body)
 
 
 def _read_password_file(path: str) -> str:

@@ -289,10 +289,11 @@ def test_store_operations_per_node_do_not_grow_with_n():
     assert large <= small + 6, (small, large)
 
 
-def _join_and_die(store, name, round_=0, min_nodes=2):
+def _join_and_die(store, name, round_=0, min_nodes=2, max_nodes=2):
     """A node that joins (as `next_round` does), then dies (never beats, never closes)."""
     me = NodeDesc(name, "127.0.0.1", 1).to_json()
-    if store.register(f"/meshrun/job/r{round_}/node/", name, me) == min_nodes:
+    seq = store.register(f"/meshrun/job/r{round_}/node/", name, me)
+    if seq == min_nodes < max_nodes:
         store.set_once(f"/meshrun/job/r{round_}/quorum", b"1")
 
 
