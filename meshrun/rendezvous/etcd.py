@@ -23,8 +23,9 @@ The contract on etcd (`meshrun.rendezvous.store`):
   a compare on a revision, a delete;
 - ``get_many`` is one read-only transaction of ranges;
 - ``wait_for_change`` reads once, then *watches* the key from the next revision, bounded by the
-  timeout: waiting costs no requests at all until something changes (a key that a
-  ``get_many`` found absent just before is watched from that read's revision, with no read);
+  timeout: waiting costs no requests at all until something changes (a watch from an older
+  revision, saving the read, was tried: 1024 waiting nodes made etcd replay history for each,
+  and the round took longer);
 - liveness (`meshrun.rendezvous.etcd_liveness`): each node has a lease and the key
   ``<prefix>liveness/<node_id>`` bound to it; a node is alive while its key exists;
 - nothing outlives the job: every key the store writes is bound to a job-wide lease, shared
@@ -58,7 +59,6 @@ from meshrun.rendezvous.store import Liveness, Store, Versioned
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops: more operations in one transaction fail
 
 
-_ABSENT_FRESH_S = 1.0  # how old a read that found a key absent may be to start a watch from
 _HISTORY_EVENTS = 256  # writes of one key replayed at most by `EtcdStore.last_value`
 _HISTORY_WAIT_S = 2.0  # history is served at once; this only ends a watch with no event
 
@@ -117,9 +117,6 @@ class EtcdStore(Store):
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
         self._livenesses: list[EtcdLiveness] = []
-        # the keys the last `get_many` found absent: {key: (that read's revision, when)}; a
-        # `wait_for_change` of one of them right after watches from there, without a read
-        self._absent: dict[str, tuple[int, float]] = {}
         if job_lease:
             self.job_lease = self._join_job_lease()
             self._refresher = threading.Thread(
@@ -252,19 +249,15 @@ class EtcdStore(Store):
     def get_many(self, keys: list[str]) -> list[Versioned | None]:
         """Read-only transactions of at most `TXN_MAX_OPS` ranges (etcd's default limit)."""
         out: list[Versioned | None] = []
-        self._absent = {}
         for start in range(0, len(keys), TXN_MAX_OPS):
             chunk = keys[start : start + TXN_MAX_OPS]
             result = self._call(
                 "kv/txn",
                 {"success": [{"request_range": {"key": b64(k)}} for k in chunk]},
             )
-            seen = (int(result["header"]["revision"]), time.monotonic())
-            for key, response in zip(chunk, result.get("responses") or [], strict=True):
+            for response in result.get("responses") or []:
                 kvs = response.get("response_range", {}).get("kvs") or []
                 out.append(self._versioned(Item.from_kv(kvs[0])) if kvs else None)
-                if not kvs:
-                    self._absent[key] = seen
         return out
 
     def compare_and_set(self, key, expected_version, value):
@@ -353,13 +346,7 @@ class EtcdStore(Store):
 
     def wait_for_change(self, key, version, timeout):
         deadline = time.monotonic() + timeout
-        seen = self._absent.pop(key, None)
-        if version == 0 and seen is not None and time.monotonic() - seen[1] < _ABSENT_FRESH_S:
-            # `get_many` found it absent just now: watch from that read's revision on (a key
-            # created since is replayed; compacted history breaks the watch: read then)
-            item, revision = None, seen[0]
-        else:
-            item, revision = self._range(key)
+        item, revision = self._range(key)
         while (item.version if item else 0) == version:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -364,28 +364,21 @@ class Gateway:
         except (errors.HTTPError, OSError):
             self.fail_over()
             return False, None, -1
-        buffer = b""
         try:
             if response.status != 200:
                 self.fail_over()
                 return False, None, -1
-            for chunk in response.stream(None):
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    if not line.strip():
-                        continue
-                    message = json.loads(line)
-                    result = message.get("result", {})
-                    if result.get("canceled") or "error" in message:
-                        return False, None, -1
-                    for event in result.get("events") or []:
-                        kv = event["kv"]
-                        if event.get("type") == "DELETE":
-                            if version != 0:
-                                return True, None, int(kv["mod_revision"])
-                        elif int(kv["mod_revision"]) != version:
-                            return True, Item.from_kv(kv), int(kv["mod_revision"])
+            for message in _json_lines(response.stream(None)):
+                result = message.get("result", {})
+                if result.get("canceled") or "error" in message:
+                    return False, None, -1
+                for event in result.get("events") or []:
+                    kv = event["kv"]
+                    if event.get("type") == "DELETE":
+                        if version != 0:
+                            return True, None, int(kv["mod_revision"])
+                    elif int(kv["mod_revision"]) != version:
+                        return True, Item.from_kv(kv), int(kv["mod_revision"])
                 if time.monotonic() >= deadline:
                     return False, None, start - 1
             return False, None, -1  # the member closed the stream
@@ -461,6 +454,24 @@ _TRANSIENT = (
 # HTTP statuses of a member that cannot serve now (what each is called in an error line)
 _UNAVAILABLE = {408: "timed out", 503: "member unavailable", 504: "timed out"}
 _AUTH_RETRY = ("invalid auth token", "auth token", "auth store is old", "user name is empty")
+
+
+def _json_lines(chunks):
+    """The JSON messages of a watch stream: one per line, however the chunks cut them.
+
+    Linear in the bytes: a round's membership (about 200 KB for 1024 nodes) arrives in
+    some fifty chunks, and re-scanning what was buffered at each one cost each of a thousand
+    waiting nodes milliseconds of CPU.
+    """
+    pending: list[bytes] = []  # the current line's earlier chunks
+    for chunk in chunks:
+        while (cut := chunk.find(b"\n")) >= 0:
+            line = b"".join(pending) + chunk[:cut] if pending else chunk[:cut]
+            pending, chunk = [], chunk[cut + 1 :]
+            if line.strip():
+                yield json.loads(line)
+        if chunk:
+            pending.append(chunk)
 
 
 def _is_etcd_error(data: bytes) -> bool:

@@ -119,3 +119,13 @@ def test_a_forged_job_lease_key_is_refused_not_waited_on(etcd_server, forged):
         assert time.monotonic() - start < 2.5
     finally:
         etcd_server.post("kv/deleterange", {"key": b64(prefix + "lease")})
+
+
+def test_watch_messages_are_whole_however_the_chunks_cut_them():
+    from meshrun.rendezvous.etcd_gateway import _json_lines
+
+    big = {"v": "x" * 100_000}
+    text = (json.dumps({"a": 1}) + "\n\n" + json.dumps(big) + "\n" + json.dumps({"c": 3}) + "\n")
+    for size in (1, 7, 4096, len(text)):
+        chunks = [text[i : i + size].encode() for i in range(0, len(text), size)]
+        assert list(_json_lines(chunks)) == [{"a": 1}, big, {"c": 3}], size

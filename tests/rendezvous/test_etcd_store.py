@@ -50,30 +50,6 @@ def test_every_key_is_bound_to_the_job_lease_and_shared(etcd_server):
         b.close()
 
 
-def test_a_wait_right_after_a_read_that_found_the_key_absent_misses_nothing(etcd_server):
-    """`wait_for_change` of a key that `get_many` found absent just before watches from that
-    read's revision without reading again (one request fewer for each of a thousand waiting
-    nodes): a key created between the read and the wait is still seen, at once; so is one
-    whose history was compacted meanwhile (the watch is refused; the store reads then)."""
-    waiter, writer = store_at(etcd_server.endpoint), store_at(etcd_server.endpoint)
-    try:
-        for compact in (False, True):
-            key = f"/meshrun/t/closed-{compact}"
-            assert waiter.get_many([key, "/meshrun/t/state"]) == [None, None]
-            writer.set_once(key, b"members")
-            if compact:
-                writer.set_once(key + "-later", b"x")  # compact past the create
-                revision = etcd_server.post("kv/range", {"key": "eA=="})["header"]["revision"]
-                etcd_server.post("kv/compaction", {"revision": revision})
-            start = time.monotonic()
-            item = waiter.wait_for_change(key, 0, 10.0)
-            assert item is not None and item.value == b"members", compact
-            assert time.monotonic() - start < 2.0, compact  # not the 10 s timeout
-    finally:
-        waiter.close()
-        writer.close()
-
-
 def test_get_many_beyond_etcds_transaction_limit(etcd_server):
     """A round of more than 128 nodes: the membership read is split into transactions."""
     store = store_at(etcd_server.endpoint)
