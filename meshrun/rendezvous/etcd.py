@@ -150,7 +150,7 @@ class EtcdStore(Store):
             self._gw.revoke(lease)
 
     def _refresh_job_lease(self) -> None:
-        gw = Gateway(self.options)
+        gw: Gateway | None = None  # its own connection, made (and logged in) at first use
         # the first refresh at a random moment of the period: agents started together (srun,
         # a pod set) would otherwise refresh together, a burst of N requests every TTL/3
         first = random.uniform(0.1, 1.0) * self.job_ttl / 3
@@ -158,13 +158,15 @@ class EtcdStore(Store):
             while not self._stop.wait(first or self.job_ttl / 3):
                 first = 0
                 try:
+                    gw = gw or Gateway(self.options)
                     if gw.keepalive(self.job_lease) <= 0 and self._lease_gone(gw):
                         self._lease_lost = True
                         return
                 except RendezvousError:
                     continue  # the store's own calls report a lost store
         finally:
-            gw.close()
+            if gw is not None:
+                gw.close()
 
     def _lease_gone(self, gw: Gateway) -> bool:
         """Whether the job lease really expired: a keep-alive that came back without a TTL

@@ -166,7 +166,10 @@ def test_the_history_is_read_with_a_fresh_token_from_a_member_that_answers(tmp_p
     cluster = EtcdCluster(tmp_path, size=3).start()
     try:
         cluster.enable_auth("meshrun", "s3cret")
-        store = store_at(cluster.endpoints, user="meshrun", password="s3cret", insecure="true")
+        # read_timeout 10 s: killing the leader costs an election, which took over 3 s on a
+        # loaded 2-core machine (a CI run): the point here is the token and the member
+        store = store_at(cluster.endpoints, user="meshrun", password="s3cret", insecure="true",
+                         read_timeout=10.0)
         seen = store.set_once("/meshrun/t/state", b"succeeded").version
         store.delete_prefix("/meshrun/t/")
         store._gw.headers["Authorization"] = "stale.token"  # noqa: SLF001 - expired
