@@ -9,9 +9,8 @@ Keys, under ``/meshrun/<run_id>/``::
                             compare-and-set, so every node agrees on the round and on how many
                             restarts the job has spent (DESIGN.md §3.1)
     r<T>/node/              register: the NodeDescs of round T's joiners, in join order
-    r<T>/quorum             written once by the MIN-th joiner, when MIN < MAX (the others
-                            wait for it: it starts the last call); with MIN = MAX they wait
-                            for ``closed`` instead
+    r<T>/quorum             written once by the MIN-th joiner (the others wait for it); with
+                            MIN = MAX by the closer, once it closed the round
     r<T>/closed             written once: the members of round T, in node-rank order
     r<T>/master             "host:port" of the workers' bootstrap store (node rank 0 writes it)
     r<T>/done/, alldone     the exit barrier (a register of the members whose workers succeeded)
@@ -340,8 +339,8 @@ class Rendezvous:
             known: tuple[JobState, int] | None = None
             if self._joined is None or self._joined[0] != target:
                 seq = self.store.register(self._nodes(target), self.me.node_id, self.me.to_json())
-                # the quorum key starts the others' last call; with MIN = MAX there is none
-                # (the others wait for the close itself)
+                # the quorum key starts the others' last call; with MIN = MAX there is none,
+                # and the MAX-th joiner writes it once it closed the round (see _try_close)
                 if seq == s.min_nodes and s.min_nodes < s.max_nodes:
                     self.store.set_once(self._round_key(target, "quorum"), b"1")
                 self._joined = (target, seq)
@@ -449,14 +448,13 @@ class Rendezvous:
                     f"minimum {s.min_nodes}, within join_timeout={s.join_timeout:g} s; start more "
                     "nodes, lower MIN in --nnodes, or raise --rdzv-conf join_timeout"
                 )
-            if joined < s.min_nodes < s.max_nodes:
-                # one wait: for the MIN-th joiner's quorum key (or the deadline)
-                wait_key, until = self._round_key(target, "quorum"), deadline
-            elif joined < s.min_nodes:
-                # MIN = MAX: no last call, so no quorum key; the close itself is waited for,
-                # and its value is the membership (a thousand nodes, one read fewer each). In
-                # pieces of dead_after: a closer that died after joining is found by counting
-                wait_key, until = closed_key, min(deadline, now + s.dead_after)
+            if joined < s.min_nodes:
+                # one wait: for the quorum key (or the deadline). MIN = MAX: the closer writes
+                # it once it closed (a small value to a thousand watchers; the membership is
+                # read after it, not pushed to all at once: 1.5 s slower at 1024 nodes); in
+                # pieces of dead_after, so a closer that died after joining is found by counting
+                wait_key = self._round_key(target, "quorum")
+                until = deadline if s.min_nodes < s.max_nodes else min(deadline, now + s.dead_after)
             else:
                 wait_key, until = closed_key, min(last_call_at, deadline)
             item = self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
@@ -504,6 +502,8 @@ class Rendezvous:
         members = assign_node_ranks([NodeDesc.from_json(raw) for raw in joiners])
         payload = json.dumps([asdict(m) for m in members]).encode()
         self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
+        if self.settings.min_nodes == self.settings.max_nodes:  # wakes those who wait for it
+            self.store.set_once(self._round_key(target, "quorum"), b"1")
         return True
 
     def _complete(
