@@ -11,8 +11,8 @@ protobuf: ``etcd3`` 0.12 (2020, unmaintained) fails to import with protobuf >= 4
 must not fight them over protobuf. Why ``urllib3`` and not ``etcd3gw`` (its JSON-gateway client,
 on ``requests``), which meshrun used before: every call here is one POST of a small JSON body,
 and ``requests`` spent 0.55 ms of client CPU on each against urllib3's 0.25 ms (one kept-alive
-connection, 127.0.0.1); 1024 agents of one job on one host (`benchmarks/rendezvous.py`) spent
-most of their time there. etcd3gw gave only that POST: user/password auth (``POST
+connection, 127.0.0.1), and 1024 agents of one job on one host (`benchmarks/rendezvous.py`) spent
+12-13 s of CPU in a round instead of 20-27 s. etcd3gw gave only that POST: user/password auth (``POST
 /v3/auth/authenticate``, the token sent as the ``Authorization`` header, re-authenticated when
 etcd says it is invalid or expired), failover between cluster members, watches bounded by a
 timeout, and the lease calls (grant, keep-alive, revoke) were this module's already.
@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -235,7 +236,6 @@ class Gateway:
         """
         errors = self._urllib3.exceptions
         deadline = time.monotonic() + self.options.read_timeout
-        reauthenticated = _reauthenticated
         last = "no answer"
         n = len(self.members)
         while True:
@@ -273,7 +273,7 @@ class Gateway:
                     ) from None
                 if "authentication is not enabled" in lowered and not _auth:
                     return {}
-                if _auth and self.options.user and not reauthenticated and any(
+                if _auth and self.options.user and not _reauthenticated and any(
                     word in lowered for word in _AUTH_RETRY
                 ):
                     self._authenticate()
@@ -281,8 +281,9 @@ class Gateway:
                 if not any(word in lowered for word in _TRANSIENT):
                     if not _is_etcd_error(data):  # another server on that port
                         raise RendezvousError(
-                            f"etcd at {self._member(i)} answered HTTP {status} ({message[:120]}): "
-                            "not etcd's v3 gateway; is --rdzv-endpoint an etcd client port?"
+                            f"etcd at {self._member(i)} answered HTTP {status} "
+                            f"({_snippet(data)}): not etcd's v3 gateway; is --rdzv-endpoint an "
+                            "etcd client port?"
                         ) from None
                     raise EtcdError(message) from None
                 last = f"{self._member(i)}: {message[:200]}"
@@ -472,6 +473,14 @@ def _json_lines(chunks):
                 yield json.loads(line)
         if chunk:
             pending.append(chunk)
+
+
+def _snippet(data: bytes, limit: int = 80) -> str:
+    """The start of a reply's text for an error line: tags out, blanks folded, cut at a word."""
+    text = " ".join(re.sub(r"<[^>]*>", " ", data[:4096].decode(errors="replace")).split())
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return text or "an empty body"
 
 
 def _is_etcd_error(data: bytes) -> bool:
