@@ -23,9 +23,9 @@ The contract on etcd (`meshrun.rendezvous.store`):
   a compare on a revision, a delete;
 - ``get_many`` is one read-only transaction of ranges;
 - ``wait_for_change`` reads once, then *watches* the key from the next revision, bounded by the
-  timeout: waiting costs no requests at all until something changes (a watch from an older
-  revision, saving the read, was tried: 1024 waiting nodes made etcd replay history for each,
-  and the round took longer);
+  timeout: waiting costs no requests at all until something changes (the read is what lets
+  the watch start at the current revision: a watch from an older one makes etcd replay the
+  history since, for every waiting node);
 - liveness (`meshrun.rendezvous.etcd_liveness`): each node has a lease and the key
   ``<prefix>liveness/<node_id>`` bound to it; a node is alive while its key exists;
 - nothing outlives the job: every key the store writes is bound to a job-wide lease, shared
