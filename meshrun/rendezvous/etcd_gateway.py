@@ -10,9 +10,8 @@ protobuf: ``etcd3`` 0.12 (2020, unmaintained) fails to import with protobuf >= 4
 5.27.2 without declaring it. A launcher is installed next to the user's own packages, so it
 must not fight them over protobuf. Why ``urllib3`` and not ``etcd3gw`` (its JSON-gateway client,
 on ``requests``), which meshrun used before: every call here is one POST of a small JSON body,
-and ``requests`` spent 0.55 ms of client CPU on each against urllib3's 0.25 ms (one kept-alive
-connection, 127.0.0.1), and 1024 agents of one job on one host (`benchmarks/rendezvous.py`) spent
-12-13 s of CPU in a round instead of 20-27 s. etcd3gw gave only that POST: user/password auth (``POST
+and ``requests`` spent about twice urllib3's client CPU on each: 1024 agents of one job on one
+host (`benchmarks/rendezvous.py`) spent 12-13 s of CPU in a round instead of 20-27 s. etcd3gw gave only that POST: user/password auth (``POST
 /v3/auth/authenticate``, the token sent as the ``Authorization`` header, re-authenticated when
 etcd says it is invalid or expired), failover between cluster members, watches bounded by a
 timeout, and the lease calls (grant, keep-alive, revoke) were this module's already.
