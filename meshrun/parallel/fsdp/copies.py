@@ -81,8 +81,7 @@ class _Layout:
     dtypes: list[list[str]]
 
     def __post_init__(self):
-        # bytes of each block, and the offset of each parameter's first block, once: packing
-        # runs at every step's end
+        # bytes of each block, once: packing runs at every step's end
         self._blocks = [[self.rows(i) * math.prod(self.shapes[i][1:]) * self.dtype(i, j).itemsize
                          for j in range(1 + len(self.keys[i]))] for i in range(len(self.names))]
         self._nbytes = sum(map(sum, self._blocks))
