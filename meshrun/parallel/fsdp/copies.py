@@ -144,7 +144,11 @@ class Copies:
         # loss during a change of world still finds them
         self.world: tuple[int, int, int] | None = None
         self.held: dict[tuple[int, int], _Snapshot] = {}  # (shard, step) -> its rows
-        self.sharded: tuple[tuple, _Layout] | None = None  # (world, shapes) sharded now
+        self.sharded: tuple[tuple, _Layout] | None = None  # (world, layout) sharded now
+        # what the layout was computed from (`_current`), and each packed buffer's typed
+        # views, one per tensor packed into it (one fused copy per step, no slicing)
+        self._layout_of: tuple | None = None
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._restored: list[tuple[torch.Tensor, torch.optim.Optimizer, str]] = []
         self._neighbours: tuple[tuple, list[int], list[int]] | None = None
         self._pending: tuple | None = None  # the exchange in flight (see `settle`)
@@ -178,21 +182,20 @@ class Copies:
         if not params:
             return False
         world, shard, replicas = _world(state, round, params)
-        if self.sharded is None or self.sharded[0] != world:
-            self.sharded = (world, _layout(state, params, world[2]))
+        self._current(state, params, world)
         if not self.every or (step % self.every and self.world == world):
             return False  # (a new world's first call refreshes: its copies start now)
         if self.world == world and (shard, step) in self.held:
             return False  # a retried step: the copies of its start are in place
         if replicas > 1:  # HSDP: the other replicas hold the same rows; nothing to send
-            self._commit(world, {(shard, step): self._take(state, world, params)})
+            self._commit(world, {(shard, step): self._take(state, params)})
             return True
         if self._neighbours is None or self._neighbours[0] != world:
             self._neighbours = (world, *_neighbours())
         _, keepers, sources = self._neighbours
         if not keepers:  # one node: its loss is everyone's, no copy can help
             return False
-        mine = self._take(state, world, params, whole=False)
+        mine = self._take(state, params, whole=False)
         inbox = {src: mine.layout.empty(mine.packed.device, self._spares) for src in sources}
         ops = [dist.P2POp(dist.isend, mine.packed, keeper) for keeper in keepers]
         ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
@@ -252,15 +255,42 @@ class Copies:
         if not params:
             return
         world, shard, _ = _world(state, round, params)
-        self._commit(world, {(shard, int(state["step"])): self._take(state, world, params)})
+        self._current(state, params, world)
+        self._commit(world, {(shard, int(state["step"])): self._take(state, params)})
 
-    def _take(self, state: MutableMapping, world: tuple[int, int, int], params,
-              whole: bool = True) -> _Snapshot:
-        return _take(state, params, world[2], self._spares, whole)
+    def _current(self, state: MutableMapping, params, world: tuple[int, int, int]) -> _Layout:
+        """The packed layout of ``params`` now, in ``self.sharded``: computed again only when
+        what it is made of changed (the world, the parameters or their dtypes, which
+        parameters have optimizer state: an optimizer creates it at its first step)."""
+        made_of = (world, tuple((id(p), p.dtype) for _, p in params),
+                   tuple(tuple(map(id, o.state)) for o in _optimizers(state)))
+        if self.sharded is None or self._layout_of != made_of:
+            self.sharded = (world, _layout(state, params, world[2]))
+            self._layout_of = made_of
+            self._views = {}
+        return self.sharded[1]
+
+    def _take(self, state: MutableMapping, params, whole: bool = True) -> _Snapshot:
+        """This rank's snapshot now (layout: `_current`'s): its packed rows, in a buffer from
+        the spares when one fits, and, with ``whole``, what it holds whole."""
+        layout = self.sharded[1]
+        optimizers = _optimizers(state)
+        tensors = [t for i, (_, p) in enumerate(params) for t in
+                   [p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]]
+        packed = layout.empty(params[0][1].device, self._spares)
+        cached = self._views.get(id(packed))
+        if cached is None or cached[0] is not packed:
+            cached = self._views[id(packed)] = (packed, _views(layout, packed, tensors))
+        _pack(cached[1], tensors)
+        return _Snapshot(packed, layout,
+                         _whole(state, {id(p) for _, p in params}) if whole else None)
 
     def _drop(self, keys) -> None:
-        """Forget the snapshots at ``keys``; their buffers become the next ones'."""
+        """Forget the snapshots at ``keys``; their buffers become the next ones' (and only
+        buffers still in use keep their views)."""
         self._spares = [self.held.pop(key).packed for key in keys]
+        live = {id(b) for b in self._spares} | {id(s.packed) for s in self.held.values()}
+        self._views = {k: v for k, v in self._views.items() if k in live}
 
     def _commit(self, world, new: dict[tuple[int, int], _Snapshot]) -> None:
         """Keep ``new`` beside what is held of the same world (until `confirm`); another
@@ -395,20 +425,37 @@ def _layout(state: MutableMapping, params: list[tuple[str, nn.Parameter]],
                    keys, dtypes)
 
 
-def _take(state: MutableMapping, params: list[tuple[str, nn.Parameter]], shards: int,
-          spares: list[torch.Tensor], whole: bool = True) -> _Snapshot:
-    """This rank's snapshot now: its packed rows (in a buffer from ``spares`` when one fits)
-    and, with ``whole``, what it holds whole."""
-    layout = _layout(state, params, shards)
-    optimizers = _optimizers(state)
-    packed = layout.empty(params[0][1].device, spares)
-    offset = 0
-    for i, (_, p) in enumerate(params):
-        for j, t in enumerate([p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]):
-            raw = t.reshape(-1).view(torch.uint8)
-            packed[offset:offset + raw.numel()].copy_(raw)
-            offset += layout.block(i, j)
-    return _Snapshot(packed, layout, _whole(state, {id(p) for _, p in params}) if whole else None)
+def _views(layout: _Layout, packed: torch.Tensor, tensors: list[torch.Tensor]
+           ) -> list[torch.Tensor]:
+    """Views of ``packed`` (bytes) where each of ``tensors`` goes, in `_Layout`'s order
+    (parameter i, then its keys: blocks of `_Layout.block` bytes), each of its tensor's dtype
+    and shape (this rank's rows, at the start of its block; the rest is padding), or its
+    bytes where the block's offset is not aligned to the dtype (mixed dtypes).
+
+    Raises:
+        RuntimeError: a tensor does not fit its block (the layout is not this state's).
+    """
+    views, offset = [], 0
+    blocks = [layout.block(i, j) for i in range(len(layout.names))
+              for j in range(1 + len(layout.keys[i]))]
+    for t, block in zip(tensors, blocks, strict=True):
+        nbytes = t.numel() * t.element_size()
+        if nbytes > block:
+            raise RuntimeError(f"neighbour copies: a tensor of {nbytes} bytes does not fit its "
+                               f"block of {block} in the packed layout")
+        raw = packed[offset:offset + nbytes]
+        # typed where the offset allows it (a view needs the dtype's alignment), else bytes
+        views.append(raw.view(t.dtype).view(t.shape) if offset % t.element_size() == 0 else raw)
+        offset += block
+    return views
+
+
+def _pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copy ``tensors`` into their `_views`, in one fused copy (torch's foreach kernels, as
+    torch.optim's ``foreach`` implementations use)."""
+    sources = [t if v.dtype == t.dtype else t.reshape(-1).view(torch.uint8)
+               for t, v in zip(tensors, views, strict=True)]
+    torch._foreach_copy_(views, sources)
 
 
 def _plan(gathered: list[dict]) -> tuple[int, list[int], int]:
