@@ -64,7 +64,11 @@ waits, and a heavier rank 0 idles less.) The comparison for the schedule is ther
 action at the mean cost of its kind and microbatch over the stages, so every stage costs the
 same while F, B and W keep their measured ratios and microbatches their own costs, against
 the formula at that step's mean F, B and W; the ratio row gives their per-step ratio
-(median).
+(median). The ``typical step`` row (`typical_bubble`) replays one step at the median cost of
+each (kind, microbatch) over every step of the runs, against the formula at those costs:
+one step's replay also carries that step's call-to-call variation (a slow call on the
+critical path lengthens it, and the formula at mean costs cannot see it), which the median
+step drops, so its ratio is the order's alone.
 
 ``--clock cpu`` times each action with ``time.thread_time`` (the CPU time of the rank's main
 thread, where both libraries compute) instead of the wall clock: on a machine loaded by other
@@ -376,17 +380,9 @@ def formula_bubble(name, ranks, steps):
                                backward_input=mean["B"], weight=mean["W"])
 
 
-def balanced_bubble(name, ranks, i):
-    """(replayed bubble, formula bubble) of step i with the stages' imbalance taken out.
-
-    Each action is replayed at the mean cost of its (kind, microbatch) over all stages (stage
-    0's backward counted as B = W, as in `mean_costs`), so every stage costs the same, as the
-    formulas assume, while F, B and W keep their measured ratios and each microbatch its own
-    cost. The formula is then `bubble_formula` or `zero_bubble_formula` at the step's mean F,
-    B and W: their ratio is the schedule's order against the analysis at these costs."""
-    from meshrun.parallel.pipelining import bubble_formula, simulate, zero_bubble_formula
-
-    order, n_stages = order_of(name)
+def balanced_costs(name, ranks, i):
+    """Step i's cost of each (kind, microbatch), the mean over the stages (stage 0's backward
+    counted as B = W, as in `mean_costs`)."""
     per_call = {}  # (kind, microbatch) -> its costs over the stages
     backward = {}  # microbatch -> stage 0's B + W
     for r in ranks:
@@ -398,15 +394,47 @@ def balanced_bubble(name, ranks, i):
     for m, d in backward.items():
         per_call.setdefault(("B", m), []).append(d / 2)
         per_call.setdefault(("W", m), []).append(d / 2)
-    mean = {key: statistics.mean(values) for key, values in per_call.items()}
-    sim = simulate(order, n_stages, cost=lambda a: mean[(a.kind, a.microbatch)])
+    return {key: statistics.mean(values) for key, values in per_call.items()}
+
+
+def replay_balanced(name, cost):
+    """(replayed bubble, formula bubble) with every action of a (kind, microbatch) costing
+    ``cost[(kind, microbatch)]`` on every stage: the formula is `bubble_formula` or
+    `zero_bubble_formula` at the mean F, B and W of ``cost``."""
+    from meshrun.parallel.pipelining import bubble_formula, simulate, zero_bubble_formula
+
+    order, n_stages = order_of(name)
+    sim = simulate(order, n_stages, cost=lambda a: cost[(a.kind, a.microbatch)])
     if name not in SPLIT:
         return sim.bubble_fraction, bubble_formula(P, N_MICRO, SCHEDULES[name][0])
-    kinds = {kind: statistics.mean(d for (k, _), d in mean.items() if k == kind)
+    kinds = {kind: statistics.mean(d for (k, _), d in cost.items() if k == kind)
              for kind in "FBW"}
     return sim.bubble_fraction, zero_bubble_formula(
         name.lower(), P, N_MICRO, forward=kinds["F"], backward_input=kinds["B"],
         weight=kinds["W"])
+
+
+def balanced_bubble(name, ranks, i):
+    """(replayed bubble, formula bubble) of step i with the stages' imbalance taken out.
+
+    Each action is replayed at the mean cost of its (kind, microbatch) over all stages
+    (`balanced_costs`), so every stage costs the same, as the formulas assume, while F, B and
+    W keep their measured ratios and each microbatch its own cost. The formula is then
+    `bubble_formula` or `zero_bubble_formula` at the step's mean F, B and W: their ratio is
+    the schedule's order against the analysis at these costs."""
+    return replay_balanced(name, balanced_costs(name, ranks, i))
+
+
+def typical_bubble(name, runs, steps):
+    """(replayed bubble, formula bubble) of the typical step of ``runs`` (each a list of the
+    ranks' results over ``steps`` steps): each (kind, microbatch) at the median over all
+    steps of its `balanced_costs`. One step's replay also carries that step's call-to-call
+    variation (a slow call on the critical path lengthens it, which a formula at mean costs
+    cannot see); the median step keeps each microbatch's typical cost and drops that
+    noise, so its ratio to the formula is the schedule's order alone."""
+    per_step = [balanced_costs(name, ranks, i) for ranks in runs for i in range(steps)]
+    cost = {key: statistics.median(c[key] for c in per_step) for key in per_step[0]}
+    return replay_balanced(name, cost)
 
 
 def schedule_bubble(name, ranks, i):
@@ -461,9 +489,11 @@ def main():
         balanced_formulas = {lib: [] for lib in LIBS}  # the formula at that step's costs
         rss = {lib: 0.0 for lib in LIBS}
         formulas = []
+        runs = {lib: [] for lib in LIBS}  # every run's ranks, for the typical step
         for _ in range(args.rounds):
             for lib in LIBS:
                 ranks = run(lib, name, args.steps, args.warmup, shape, args.clock)
+                runs[lib].append(ranks)
                 for i in range(args.steps):
                     times[lib].append(max(r["times"][i] for r in ranks))
                     cpus[lib].append(max(r["cpu"][i] for r in ranks))
@@ -497,6 +527,12 @@ def main():
               f"{sched['meshrun'] / sched['torch']:.3f}x | sched/formula: "
               f"{sched['meshrun'] / formula:.2f} (torch {sched['torch'] / formula:.2f}) | | "
               f"sched/formula: {even['meshrun']:.2f} (torch {even['torch']:.2f}) | |")
+        typical = {lib: typical_bubble(name, runs[lib], args.steps) for lib in LIBS}
+        print(f"| {name} | typical step (median costs) | | | | | | | "
+              f"{typical['meshrun'][0]:.3f} (torch {typical['torch'][0]:.3f}) | "
+              f"{typical['meshrun'][1]:.3f} (torch {typical['torch'][1]:.3f}) | "
+              f"sched/formula: {typical['meshrun'][0] / typical['meshrun'][1]:.2f} "
+              f"(torch {typical['torch'][0] / typical['torch'][1]:.2f}) |")
 
 
 if __name__ == "__main__":
