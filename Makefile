@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(VPY) -m pytest -q --durations=30 tests
+	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 # A fresh checkpoint directory each time, so the demo trains from step 0 (a restart within the
 # run resumes from it).
