@@ -200,7 +200,7 @@ class Copies:
         ops = [dist.P2POp(dist.isend, mine.packed, keeper) for keeper in keepers]
         ops += [dist.P2POp(dist.irecv, buf, src) for src, buf in inbox.items()]
         works = dist.batch_isend_irecv(ops)
-        mine.whole = _whole(state, {id(p) for _, p in params})  # while the rows travel
+        mine.whole = _whole(state, params)  # while the rows travel
         new = {(shard, step): mine}
         new.update({(src, step): _Snapshot(buf, mine.layout) for src, buf in inbox.items()})
         self._pending = (world, new, works)
@@ -274,16 +274,18 @@ class Copies:
         """This rank's snapshot now (layout: `_current`'s): its packed rows, in a buffer from
         the spares when one fits, and, with ``whole``, what it holds whole."""
         layout = self.sharded[1]
-        optimizers = _optimizers(state)
-        tensors = [t for i, (_, p) in enumerate(params) for t in
-                   [p.detach(), *(_state_of(optimizers, p)[k] for k in layout.keys[i])]]
+        # each parameter's optimizer state (the first optimizer's that has it, as `_state_of`)
+        entries = {id(p): entry for o in reversed(_optimizers(state))
+                   for p, entry in o.state.items()}
+        tensors = [t for i, (_, p) in enumerate(params)
+                   for t in [p, *(entries[id(p)][k] for k in layout.keys[i])]]
         packed = layout.empty(params[0][1].device, self._spares)
         cached = self._views.get(id(packed))
         if cached is None or cached[0] is not packed:
             cached = self._views[id(packed)] = (packed, _views(layout, packed, tensors))
         _pack(cached[1], tensors)
         return _Snapshot(packed, layout,
-                         _whole(state, {id(p) for _, p in params}) if whole else None)
+                         _whole(state, params) if whole else None)
 
     def _drop(self, keys) -> None:
         """Forget the snapshots at ``keys``; their buffers become the next ones' (and only
@@ -453,9 +455,10 @@ def _views(layout: _Layout, packed: torch.Tensor, tensors: list[torch.Tensor]
 def _pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     """Copy ``tensors`` into their `_views`, in one fused copy (torch's foreach kernels, as
     torch.optim's ``foreach`` implementations use)."""
-    sources = [t if v.dtype == t.dtype else t.reshape(-1).view(torch.uint8)
-               for t, v in zip(tensors, views, strict=True)]
-    torch._foreach_copy_(views, sources)
+    with torch.no_grad():  # parameters among the tensors: the copy is not recorded
+        sources = [t if v.dtype == t.dtype else t.reshape(-1).view(torch.uint8)
+                   for t, v in zip(tensors, views, strict=True)]
+        torch._foreach_copy_(views, sources)
 
 
 def _plan(gathered: list[dict]) -> tuple[int, list[int], int]:
@@ -545,15 +548,17 @@ def _stateful(value) -> bool:
         getattr(value, "load_state_dict", None))
 
 
-def _whole(state: MutableMapping, sharded: set[int]) -> dict:
-    """What every rank holds whole: copies, so that training on does not change them."""
-    values, loaded, buffers, params, groups, scalars = {}, {}, {}, {}, {}, {}
+def _whole(state: MutableMapping, params: list[tuple[str, nn.Parameter]]) -> dict:
+    """What every rank holds whole (all but the rows of ``params``, `_sharded`'s): copies, so
+    that training on does not change them."""
+    sharded = {id(p): n for n, p in params}
+    values, loaded, buffers, unsharded, groups, scalars = {}, {}, {}, {}, {}, {}
     for key in sorted(state, key=str):
         value = state[key]
         if isinstance(value, nn.Module):
             buffers[key] = {n: b.detach().clone() for n, b in value.named_buffers()}
-            params[key] = {n: p.detach().clone() for n, p in value.named_parameters()
-                           if id(p) not in sharded}
+            unsharded[key] = {n: p.detach().clone() for n, p in value.named_parameters()
+                              if id(p) not in sharded}
         elif isinstance(value, torch.optim.Optimizer):
             groups[key] = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                            for g in value.param_groups]
@@ -561,14 +566,13 @@ def _whole(state: MutableMapping, sharded: set[int]) -> dict:
             loaded[key] = copy.deepcopy(value.state_dict())
         elif key != "step":
             values[key] = copy.deepcopy(value)
-    names = {id(p): n for n, p in _named_params(state)}
     for optimizer in _optimizers(state):
         for p, entry in optimizer.state.items():
             if id(p) in sharded:
-                scalars[names[id(p)]] = {k: (v.clone() if torch.is_tensor(v) else v)
-                                         for k, v in entry.items()
-                                         if not (torch.is_tensor(v) and v.dim() > 0)}
-    return {"values": values, "loaded": loaded, "buffers": buffers, "params": params,
+                scalars[sharded[id(p)]] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                           for k, v in entry.items()
+                                           if not (torch.is_tensor(v) and v.dim() > 0)}
+    return {"values": values, "loaded": loaded, "buffers": buffers, "params": unsharded,
             "groups": groups, "scalars": scalars, "rng": torch.get_rng_state(),
             "step": int(state["step"])}
 
