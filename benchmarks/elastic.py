@@ -579,22 +579,29 @@ def part3(args: argparse.Namespace) -> None:
               for m, v in times.items()}
     print(f"model: {res['params'] / 1e6:.2f}M parameters (each rank holds half the rows, and "
           f"with copies the other rank's half too: parameters and AdamW's two moments)\n")
+    # the copies run at the step's end, on its critical path: their own time per step (the
+    # refresh's median over the interval) against the step without copies is their cost too,
+    # and far less noisy than a difference of whole blocks on a shared 2-core machine
+    direct = {m: (statistics.median(res["refresh"][m]) / int(m.split()[1]) / med["off"]
+                  if res["refresh"][m] else 0.0) for m in times}
     print("| copies | step (ms, median of blocks) | cost: median over rounds of the block's "
           "time / that round's off block, - 1 | the copies at a refresh step's end alone "
-          "(ms, median: pack, exchange, confirm) |")
-    print("|---|---|---|---|")
+          "(ms, median: pack, exchange, confirm) | cost: that time per step / the step "
+          "without copies |")
+    print("|---|---|---|---|---|")
     for m, t in med.items():
         ref = statistics.median(res["refresh"][m]) * 1e3 if res["refresh"][m] else None
         print(f"| {m} | {t * 1e3:.1f} | {paired[m]:+.1%} | "
-              f"{'' if ref is None else f'{ref:.1f}'} |")
+              f"{'' if ref is None else f'{ref:.1f}'} | {direct[m]:+.1%} |")
     blocks = "; ".join(f"{m}: " + ", ".join(f"{v * 1e3:.0f}" for v in vals)
                        for m, vals in times.items())
     print(f"\nblocks (ms/step): {blocks}\n")
     chosen = f"every {every}"
-    print(f"target (copies at most 5 % of step time at the interval chosen): every 1 "
-          f"{'met' if paired['every 1'] <= 0.05 else 'MISSED'} ({paired['every 1']:+.1%}), "
-          f"{chosen} {'met' if paired[chosen] <= 0.05 else 'MISSED'} "
-          f"({paired[chosen]:+.1%})\n")
+    verdict = "; ".join(
+        f"{m}: {'met' if paired[m] <= 0.05 else 'MISSED'} by blocks ({paired[m]:+.1%}), "
+        f"{'met' if direct[m] <= 0.05 else 'MISSED'} by the copies' own time "
+        f"({direct[m]:+.1%})" for m in ("every 1", chosen))
+    print(f"target (copies at most 5 % of step time at the interval chosen): {verdict}\n")
 
 
 def main() -> int:
