@@ -492,8 +492,10 @@ def part2(args: argparse.Namespace) -> None:
 # median over the rounds of its block's time over that round's block without copies, - 1
 # (pairing within a round cancels the load's drift); the copies' own time at a refresh step's
 # end is printed beside it (as `meshrun.parallel.elastic` does it: `Copies.exchange`;
-# packing, the exchange and the confirming all-reduce, all on the step's critical path).
-# Target: at most 5 % of step time at the interval chosen.
+# packing, the exchange and the confirming all-reduce, all on the step's critical path), and
+# that time per step over the step without copies as a second cost; then the floor: the same
+# bytes exchanged with nothing else, and the all-reduce. Target: at most 5 % of step time at
+# the interval chosen.
 
 
 def copies_worker(rank: int, port: int, args: dict, out: str) -> None:
@@ -544,10 +546,27 @@ def copies_worker(rank: int, port: int, args: dict, out: str) -> None:
             dt = torch.tensor([(time.perf_counter() - t0) / args["block"]], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slower rank counts
             times[name].append(dt.item())
+    # the floor under the copies: the same bytes sent and received with nothing else (one
+    # batch_isend_irecv to the other rank and the confirming one-element all-reduce)
+    copies = modes["every 1"]
+    nbytes = next(iter(copies.held.values())).packed.numel()
+    send = torch.empty(nbytes, dtype=torch.uint8)
+    recv = torch.empty(nbytes, dtype=torch.uint8)
+    bare = []
+    for i in range(30):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, 1 - rank),
+                                            dist.P2POp(dist.irecv, recv, 1 - rank)]):
+            work.wait()
+        dist.all_reduce(torch.zeros(1))
+        if i >= 5:
+            bare.append(time.perf_counter() - t0)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters()) * 2  # each rank: half the rows
         Path(out).write_text(json.dumps({"times": times, "refresh": refresh,
-                                         "params": n_params}))
+                                         "params": n_params, "bare": bare,
+                                         "nbytes": nbytes}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -593,6 +612,9 @@ def part3(args: argparse.Namespace) -> None:
         ref = statistics.median(res["refresh"][m]) * 1e3 if res["refresh"][m] else None
         print(f"| {m} | {t * 1e3:.1f} | {paired[m]:+.1%} | "
               f"{'' if ref is None else f'{ref:.1f}'} | {direct[m]:+.1%} |")
+    print(f"\nthe floor: the same {res['nbytes'] / 1e6:.1f} MB sent to and received from the "
+          f"other rank with nothing else, and the one-element all-reduce: "
+          f"{statistics.median(res['bare']) * 1e3:.1f} ms (median of 25)")
     blocks = "; ".join(f"{m}: " + ", ".join(f"{v * 1e3:.0f}" for v in vals)
                        for m, vals in times.items())
     print(f"\nblocks (ms/step): {blocks}\n")
