@@ -260,9 +260,9 @@ class Copies:
 
     def _current(self, state: MutableMapping, params, world: tuple[int, int, int]) -> _Layout:
         """The packed layout of ``params`` now, in ``self.sharded``: computed again only when
-        what it is made of changed (the world, the parameters or their dtypes, which
+        what it is made of changed (the world, the parameters, their names and dtypes, which
         parameters have optimizer state: an optimizer creates it at its first step)."""
-        made_of = (world, tuple((id(p), p.dtype) for _, p in params),
+        made_of = (world, tuple((n, id(p), p.dtype) for n, p in params),
                    tuple(tuple(map(id, o.state)) for o in _optimizers(state)))
         if self.sharded is None or self._layout_of != made_of:
             self.sharded = (world, _layout(state, params, world[2]))
