@@ -247,6 +247,7 @@ class Gateway:
                         raise self._tls_error(i, e) from None
                     last = f"{self._member(i)}: {_connection_reason(e)}"
                     continue
+                _REACHED.add(self.options.endpoints)
                 if status == 200:
                     self.current = i
                     return self._reply(i, data)
@@ -287,6 +288,13 @@ class Gateway:
                     raise EtcdError(message) from None
                 last = f"{self._member(i)}: {message[:200]}"
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and self.options.endpoints not in _REACHED:
+                raise StoreLostError(
+                    f"rendezvous store not reached: no member of {self.options.describe()} "
+                    f"answered within read_timeout={self.options.read_timeout:g} s (last "
+                    f"error: {last}); is etcd running there, and is --rdzv-endpoint its client "
+                    "port?"
+                )
             if remaining <= 0:
                 raise StoreLostError(
                     f"rendezvous store lost: no member of {self.options.describe()} answered "
@@ -454,6 +462,10 @@ _TRANSIENT = (
 # HTTP statuses of a member that cannot serve now (what each is called in an error line)
 _UNAVAILABLE = {408: "timed out", 503: "member unavailable", 504: "timed out"}
 _AUTH_RETRY = ("invalid auth token", "auth token", "auth store is old", "user name is empty")
+# the endpoint lists some member of which answered in this process: a store that stops
+# answering after that was lost; one that never answered was never reached (a wrong endpoint,
+# etcd not running), which the error line says differently
+_REACHED: set[tuple[tuple[str, int], ...]] = set()
 
 
 def _json_lines(chunks):

@@ -129,3 +129,17 @@ def test_watch_messages_are_whole_however_the_chunks_cut_them():
     for size in (1, 7, 4096, len(text)):
         chunks = [text[i : i + size].encode() for i in range(0, len(text), size)]
         assert list(_json_lines(chunks)) == [{"a": 1}, big, {"c": 3}], size
+
+
+def test_a_store_never_reached_is_said_so_not_lost():
+    """Nothing listening at the endpoint: the line says the store was not reached and asks
+    whether etcd runs there, instead of calling a store that never answered "lost"."""
+    from meshrun.rendezvous.api import StoreLostError
+
+    port = free_port()  # nothing listens on it
+    options = EtcdOptions(endpoints=(("127.0.0.1", port),), read_timeout=1.0)
+    with pytest.raises(StoreLostError) as caught:
+        Gateway(options).call("kv/range", {"key": b64("/x")})
+    line = str(caught.value)
+    assert "store not reached" in line and f"127.0.0.1:{port}" in line, line
+    assert "is etcd running there" in line and "lost" not in line, line
