@@ -34,7 +34,9 @@ STATUS_READ_TIMEOUT = 5.0  # seconds, unless --rdzv-conf read_timeout= says othe
 @click.command(
     "status",
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-    help="Show the live membership of a running job: round, restarts, nodes, waiting nodes.",
+    help="Show the live membership of a running job: round, restarts, nodes, waiting nodes. "
+         "Exit status: 0 shown; 1 no such job at that endpoint; 2 bad options; 3 the store "
+         "refused or did not answer.",
 )
 @click.option("--rdzv-backend", "--rdzv_backend", "backend", required=True,
               help="etcd (etcd-v3) or c10d (static: the TCPStore at MASTER_ADDR:MASTER_PORT).")
