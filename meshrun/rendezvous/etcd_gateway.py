@@ -201,9 +201,14 @@ class Gateway:
         elif "certificate" in text.lower() or "alert" in text.lower():
             why = "the TLS handshake failed (is --rdzv-conf cert/key a client certificate " \
                   "the server trusts?)"
+        elif "EOF occurred" in text and not self.options.cert:
+            why = "the server closed the TLS handshake (does it require a client certificate? " \
+                  "give --rdzv-conf cert=CLIENT.pem,key=CLIENT.key)"
         else:
             why = "the TLS handshake failed"
+        text = re.sub(r"\s*\(_ssl\.c:\d+\)", "", text)  # where in CPython: no help to a user
         detail = text[text.find("[SSL"):].split(")")[0] if "[SSL" in text else text[:160]
+        detail = detail.strip("'")  # the end of the quoted OpenSSL reason
         return RendezvousError(f"etcd at {self._member(i)}: {why} ({detail})")
 
     # -- calls ---------------------------------------------------------------------------------
@@ -289,11 +294,14 @@ class Gateway:
                 last = f"{self._member(i)}: {message[:200]}"
             remaining = deadline - time.monotonic()
             if remaining <= 0 and self.options.endpoints not in _REACHED:
+                hint = "is etcd running there, and is --rdzv-endpoint its client port?"
+                if self.options.protocol == "http" and "closed by the server" in last:
+                    hint = ("if etcd there serves only TLS (it closes plain HTTP "
+                            "connections), give --rdzv-conf cacert=CA.pem (https)")
                 raise StoreLostError(
                     f"rendezvous store not reached: no member of {self.options.describe()} "
                     f"answered within read_timeout={self.options.read_timeout:g} s (last "
-                    f"error: {last}); is etcd running there, and is --rdzv-endpoint its client "
-                    "port?"
+                    f"error: {last}); {hint}"
                 )
             if remaining <= 0:
                 raise StoreLostError(

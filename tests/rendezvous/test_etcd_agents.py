@@ -17,6 +17,9 @@ import pytest
 from etcd_fixtures import ETCD, SKIP_REASON, EtcdCluster, free_port, make_ca
 from test_c10d_agents import Job, full_round, in_round, last_round
 
+from meshrun.rendezvous.api import RendezvousError
+from meshrun.rendezvous.etcd_gateway import EtcdOptions, Gateway
+
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)]
 
 PREFIX = "/meshrun/test/"
@@ -214,6 +217,15 @@ def test_tls_with_a_throwaway_ca_and_a_wrong_ca(tmp_path, etcd_job):
         lines = [line for line in bad.logs().splitlines()[1:] if line.strip()]
         assert len(lines) == 1, lines
         assert "not signed by the CA in --rdzv-conf cacert" in lines[0], lines
+        # no client certificate for a server that requires one; plain HTTP to a TLS-only
+        # server: each error line says what to give
+        endpoint = cluster.endpoints.replace("https://", "")
+        # (the server's refusal arrives as an EOF or as a bad-certificate alert, by timing)
+        for conf, says in (({"cacert": ca["cacert"]}, r"client certificate.*\)$"),
+                           ({"protocol": "http"}, "if etcd there serves only TLS")):
+            options = EtcdOptions.from_conf(endpoint, conf, 2.0)
+            with pytest.raises(RendezvousError, match=says):
+                Gateway(options).call("kv/range", {"key": _b64("/x")})
     finally:
         cluster.stop()
 
