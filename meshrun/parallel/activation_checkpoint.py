@@ -4,7 +4,8 @@ A checkpointed module keeps (almost) none of the tensors its forward would save 
 its backward first runs the forward again to get them back. Per module:
 
 - ``"full"``: only the module's inputs are kept; everything inside is recomputed (one extra
-  forward of the module in backward). Chen et al. 2016, "Training Deep Nets with Sublinear
+  forward of the module in backward; two in a zero-bubble pipeline stage, whose B and W each
+  run a backward through it). Chen et al. 2016, "Training Deep Nets with Sublinear
   Memory Cost"; Megatron's full recomputation.
 - ``"selective"``: the outputs of the expensive ops (matrix multiplies and attention, the
   `SAVED_OPS`) are kept, the cheap ones (norms, activations, dropout, adds) recomputed: most
@@ -22,7 +23,9 @@ With the strategies: apply it to modules at or below the ones given to `fully_sh
 checkpointed block may be an FSDP unit, before or after `fully_shard`: FSDP re-gathers and
 installs the unit's parameters before the recompute), under `ddp`, to modules `parallelize`
 has sharded (the recompute re-issues their collectives, on every rank in the same order), and
-inside pipeline stages. Not to a module that contains FSDP units (their hooks would run again
+inside pipeline stages ("full" only in a stage whose backward is split into B and W: torch's
+selective checkpoint allows one backward, and the pipeline refuses it). Not to a module that
+contains FSDP units (their hooks would run again
 in the recompute): that is refused at the first forward. Under tensor parallelism with
 `ShardedDropout` / `SequenceParallel` dropout, pass the model's ``tp_rng_tracker`` as
 ``rng_tracker`` so the per-rank stream is replayed too.
@@ -39,6 +42,7 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
 )
 
 aten = torch.ops.aten
@@ -77,27 +81,40 @@ def checkpoint_activations(module: nn.Module, policy: str | Callable = "full", *
     if getattr(module, "_meshrun_ac_policy", None) is not None:
         raise ValueError(f"checkpoint_activations: {type(module).__name__} is already "
                          f"checkpointed (policy {module._meshrun_ac_policy!r})")
-    context_fn = _context_fn(policy)
-    inner = module.forward
-    checked = []
-
-    def forward(*args, **kwargs):
-        if not checked:
-            _refuse_fsdp_inside(module)
-            checked.append(True)
-        if not torch.is_grad_enabled():  # eval: nothing is saved anyway
-            return inner(*args, **kwargs)
-        if rng_tracker is None:
-            return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=context_fn, **kwargs)
-        state = rng_tracker.get_state()
-        replay = _ReplayTracker(rng_tracker, state)
-        return checkpoint(replay.wrap(inner), *args, use_reentrant=False,
-                          preserve_rng_state=True, context_fn=context_fn, **kwargs)
-
-    module.forward = forward
+    _context_fn(policy)  # an unknown policy: refused now, not at the first forward
+    module.forward = _CheckpointedForward(module, policy, rng_tracker)
     module._meshrun_ac_policy = policy
     return module
+
+
+class _CheckpointedForward:
+    """The forward `checkpoint_activations` installs on a module: its own forward under
+    ``torch.utils.checkpoint.checkpoint``. An object that refers to the module (not a closure
+    over it), so ``copy.deepcopy(model)`` gives the copy a forward of the copy, and
+    ``torch.save(model)`` can pickle it (with a picklable policy)."""
+
+    def __init__(self, module: nn.Module, policy, rng_tracker):
+        self.module, self.policy, self.rng_tracker = module, policy, rng_tracker
+        # the class's forward, called with the module (a copy calls it with the copy), or a
+        # forward already set on the instance (another wrapper's), called as it is
+        self.own = module.__dict__.get("forward")
+        self.checked = False
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        inner = self.own or functools.partial(type(module).forward, module)
+        if not self.checked:
+            _refuse_fsdp_inside(module)
+            self.checked = True
+        if not torch.is_grad_enabled():  # eval: nothing is saved anyway
+            return inner(*args, **kwargs)
+        # "full": no context_fn at all, which torch.compile traces (it refuses any function
+        # that is not torch's own default there)
+        extra = {} if self.policy == "full" else {"context_fn": _context_fn(self.policy)}
+        if self.rng_tracker is not None:
+            inner = _ReplayTracker(self.rng_tracker, self.rng_tracker.get_state()).wrap(inner)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+                          **extra, **kwargs)
 
 
 class _ReplayTracker:
@@ -123,7 +140,7 @@ class _ReplayTracker:
 
 def _context_fn(policy):
     if policy == "full":
-        return _noop_contexts
+        return noop_context_fn
     if policy == "selective":
         keep = SAVED_OPS.__contains__
     elif callable(policy):
@@ -136,12 +153,6 @@ def _context_fn(policy):
         return CheckpointPolicy.MUST_SAVE if keep(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, decide)
-
-
-def _noop_contexts():
-    from torch.utils.checkpoint import noop_context_fn
-
-    return noop_context_fn()
 
 
 def _refuse_fsdp_inside(module: nn.Module) -> None:

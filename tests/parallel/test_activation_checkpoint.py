@@ -80,3 +80,82 @@ def test_bad_policy_and_twice_are_refused():
 def test_with_the_strategies_on_2_ranks():
     result = launch("ac_checks.py", 2, timeout=100)
     assert_all_ok(result)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_copy_checkpoints_itself_and_a_saved_model_loads(policy, tmp_path):
+    """copy.deepcopy of a checkpointed model runs the copy's parameters, and its gradients
+    land on the copy (EMA and reference copies); torch.save of the whole model loads back
+    into a model that is still checkpointed and computes the same."""
+    model = checked(stack(), policy)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    x = torch.randn(2, 4, 32)
+    torch.manual_seed(1)
+    out = twin(x)
+    assert torch.equal(out, x), "the copy ran the original's parameters"  # blocks add 0
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in twin.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters()), "gradients reached the original"
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(b._meshrun_ac_policy == policy for b in loaded)
+    torch.manual_seed(2)
+    want = model(x)
+    torch.manual_seed(2)
+    assert torch.equal(loaded(x), want)
+
+
+@pytest.mark.timeout(120)
+def test_full_checkpointing_compiles_to_the_same_gradients():
+    """Per-block torch.compile over a fully checkpointed block (docs/parallel.md's pattern):
+    the same gradients as eager. Before: torch.compile refused the context function."""
+    base = stack()
+    x = torch.randn(2, 8, 32)
+    grads = []
+    for compiled in (False, True):
+        model = checked(base, "full")
+        if compiled:
+            for block in model:
+                block.compile(backend="aot_eager")
+        model.eval()  # no dropout: the compiled and eager random streams differ
+        with torch.enable_grad():
+            model(x).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_selective_inside_a_split_pipeline_stage_is_refused_full_matches():
+    """A zero-bubble stage runs two backwards through a block (B, then W): torch's selective
+    checkpoint allows one, so the schedule refuses it with a message; "full" recomputes in
+    each and gives the unsplit model's gradients (ZB-V on one rank: two stages)."""
+    from meshrun.parallel.pipelining import pipeline
+
+    def mse(out, y):
+        return (out - y).square().mean()
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block())]
+    for block in stages[1]:
+        checkpoint_activations(block, "selective")
+    with pytest.raises(NotImplementedError, match="selective activation checkpointing"):
+        pipeline(stages, schedule="zbv", n_microbatches=2, loss_fn=mse)
+    torch.manual_seed(0)
+    stages = [nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block())]
+    reference = copy.deepcopy(nn.Sequential(*stages)).eval()
+    for stage in stages:
+        for block in stage:
+            checkpoint_activations(block, "full")
+    schedule = pipeline(stages, schedule="zbv", n_microbatches=2, loss_fn=mse)
+    for stage in stages:
+        stage.eval()  # no dropout: the reference runs the batch whole
+    x, y = torch.randn(4, 32), torch.randn(4, 32)
+    schedule.step(x, target=y)
+    mse(reference(x), y).backward()
+    mine = [p.grad for stage in stages for p in stage.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6)
+               for a, b in zip(mine, [p.grad for p in reference.parameters()], strict=True))

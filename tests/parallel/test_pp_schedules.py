@@ -54,6 +54,10 @@ def test_action_text_round_trip():
         Action.parse("0I1")
     with pytest.raises(ValueError, match="kind must be"):
         Action(0, "X", 0)
+    # a float or bool index passed validation (0.0 == 0) and failed later, inside a step
+    for stage, microbatch in ((0, 0.0), (0.5, 0), (True, 0), (0, False)):
+        with pytest.raises(ValueError, match="must be an int"):
+            Action(stage, "F", microbatch)
 
 
 def test_1f1b_order_has_warmup_steady_state_and_cooldown():

@@ -66,6 +66,10 @@ class Action:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Action: kind must be 'F', 'B' or 'W' (got {self.kind!r})")
+        for name in ("stage", "microbatch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Action: {name} must be an int (got {value!r})")
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"Action: stage and microbatch must be >= 0 (got stage "
                              f"{self.stage}, microbatch {self.microbatch})")

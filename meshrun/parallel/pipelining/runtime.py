@@ -135,8 +135,9 @@ class PipelineSchedule:
         NotImplementedError: a "v" placement on a backend other than gloo (see `validate`,
             rule 6); a stage under torch's DistributedDataParallel (use meshrun's ddp); a
             split backward (W actions) on a stage with ddp on a submodule only, or FSDP-style
-            sync without ``set_reshard_after_backward`` on the stage module (also raised by
-            `step` when data parallelism was applied after the schedule was built).
+            sync without ``set_reshard_after_backward`` on the stage module, or selective
+            activation checkpointing inside it (also raised by `step` when data parallelism
+            or checkpointing was applied after the schedule was built).
 
     Attributes:
         pipeline_order: the validated order of every rank (``dict[int, list[Action]]``).
@@ -228,6 +229,15 @@ class PipelineSchedule:
                     f"the stage module (or fully_shard)")
             if st.stage_index not in self._split:
                 continue
+            selective = [name or "the stage module" for name, m in st.submodule.named_modules()
+                         if getattr(m, "_meshrun_ac_policy", "full") != "full"]
+            if selective:
+                raise NotImplementedError(
+                    f"PipelineSchedule: stage {st.stage_index} has selective activation "
+                    f"checkpointing ({', '.join(selective[:3])}), but its backward is split: "
+                    f"B and W each run a backward through the checkpointed module, and "
+                    f"torch's selective checkpoint allows one; use checkpoint_activations(..., "
+                    f"'full') there, or a schedule without W actions")
             if _fsdp_style(st.submodule) and not hasattr(st.submodule,
                                                          "set_reshard_after_backward"):
                 raise NotImplementedError(
