@@ -289,6 +289,15 @@ def check_same_order(name, torch_order):
             raise RuntimeError(f"{name}: torch's rank {r} runs {theirs}, meshrun's {mine}")
 
 
+def check_ran_order(name, rank, ran):
+    """The actions meshrun's runtime ran this step must be the lists the replay uses
+    (`order_of`): the bubble is replayed on the order that ran, not only on the intended one."""
+    order, _ = order_of(name)
+    if [str(a) for a in ran] != [str(a) for a in order[rank]]:
+        raise RuntimeError(f"{name}: meshrun's rank {rank} ran {[str(a) for a in ran]}, the "
+                           f"replay's order is {[str(a) for a in order[rank]]}")
+
+
 def worker(rank, lib, name, port, steps, warmup, out_dir, shape, clock="wall"):
     global action_clock
     action_clock = time.thread_time if clock == "cpu" else time.perf_counter
@@ -314,6 +323,8 @@ def worker(rank, lib, name, port, steps, warmup, out_dir, shape, clock="wall"):
         opt.step()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        if lib == "meshrun":  # (outside the timed part)
+            check_ran_order(name, rank, schedule.last_actions)
         pipe.append(t1 - t0)
         costs.append(clock.costs())
     report_rank(out_dir, rank, {"times": times[warmup:], "pipe": pipe[warmup:],
