@@ -173,8 +173,9 @@ class Copies:
 
         Raises:
             RuntimeError: the model is sharded some other way than FSDP or HSDP over the
-                whole world, or an optimizer keeps per-parameter state of another shape
-                (Adafactor's factored moments); a collective's error when a peer vanished.
+                whole world, an optimizer keeps per-parameter state of another shape
+                (Adafactor's factored moments), or a parameter is in two optimizers; a
+                collective's error when a peer vanished.
         """
         self.settle()  # one still in flight (a caller that did not settle it)
         step = int(state["step"])
@@ -182,8 +183,13 @@ class Copies:
         if not params:
             return False
         world, shard, replicas = _world(state, round, params)
+        if not self.every:  # copies off: the names and shapes, for a checkpoint's load
+            if self.sharded is None or self.sharded[0] != world:
+                self.sharded = (world, _layout(state, params, world[2], with_state=False))
+                self._layout_of = None  # not a layout to pack with
+            return False
         self._current(state, params, world)
-        if not self.every or (step % self.every and self.world == world):
+        if step % self.every and self.world == world:
             return False  # (a new world's first call refreshes: its copies start now)
         if self.world == world and (shard, step) in self.held:
             return False  # a retried step: the copies of its start are in place
@@ -260,10 +266,14 @@ class Copies:
 
     def _current(self, state: MutableMapping, params, world: tuple[int, int, int]) -> _Layout:
         """The packed layout of ``params`` now, in ``self.sharded``: computed again only when
-        what it is made of changed (the world, the parameters, their names and dtypes, which
-        parameters have optimizer state: an optimizer creates it at its first step)."""
+        what it is made of changed: the world, the parameters (names, dtypes), and each
+        parameter's optimizer state tensors (keys, dtypes, shapes: an optimizer creates its
+        state at its first step, some add keys later, a replaced or reloaded optimizer may
+        change them all)."""
         made_of = (world, tuple((n, id(p), p.dtype) for n, p in params),
-                   tuple(tuple(map(id, o.state)) for o in _optimizers(state)))
+                   tuple((id(p), tuple((k, v.dtype, v.shape) for k, v in entry.items()
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0))
+                         for o in _optimizers(state) for p, entry in o.state.items()))
         if self.sharded is None or self._layout_of != made_of:
             self.sharded = (world, _layout(state, params, world[2]))
             self._layout_of = made_of
@@ -416,9 +426,26 @@ class Copies:
 
 
 def _layout(state: MutableMapping, params: list[tuple[str, nn.Parameter]],
-            shards: int) -> _Layout:
-    """The packed layout of ``params`` (`_sharded`'s) over ``shards`` shards now."""
+            shards: int, with_state: bool = True) -> _Layout:
+    """The packed layout of ``params`` (`_sharded`'s) over ``shards`` shards now (without
+    ``with_state``: the parameters only, no optimizer state, and nothing refused).
+
+    Raises:
+        RuntimeError: a parameter in more than one optimizer (its copies would hold one
+            optimizer's state), or optimizer state of a shape `_shard_keys` refuses."""
+    if not with_state:
+        return _Layout(shards, [n for n, _ in params],
+                       [tuple(_unit_shape(p)) for _, p in params], [[] for _ in params],
+                       [[str(p.dtype).removeprefix("torch.")] for _, p in params])
     optimizers = _optimizers(state)
+    for name, p in params:
+        owners = [k for k in sorted(state, key=str) if isinstance(state[k], torch.optim.Optimizer)
+                  and any(q is p for g in state[k].param_groups for q in g["params"])]
+        if len(owners) > 1:
+            raise RuntimeError(f"neighbour copies: parameter {name!r} is in optimizers "
+                               f"{owners}; the copies keep one optimizer's state per "
+                               f"parameter: give each parameter to one optimizer, or pass "
+                               f"copy_every=0 and recover from checkpoints")
     keys = [_shard_keys(optimizers, name, p) for name, p in params]
     dtypes = [[str(t.dtype).removeprefix("torch.") for t in
                [p, *(_state_of(optimizers, p)[k] for k in ks)]]
