@@ -100,7 +100,8 @@ def open_settings(conf: dict, run_id: str):
 
 def parse_store_options(backend: str, conf_text: str) -> tuple[str, dict]:
     """``--rdzv-backend`` and ``--rdzv-conf`` of ``meshrun status`` and ``meshrun stacks``:
-    the backend's canonical name and the conf as a dict.
+    the backend's canonical name and the conf as a dict. A key nobody reads is said on stderr
+    and ignored, as the launcher does.
 
     Raises:
         ConfigError: either is malformed (one line naming the option).
@@ -110,9 +111,11 @@ def parse_store_options(backend: str, conf_text: str) -> tuple[str, dict]:
     except ValueProblem as e:
         raise e.at(f"--rdzv-backend {backend}") from None
     try:
-        conf, _ = parse_rdzv_conf(conf_text)
+        conf, notes = parse_rdzv_conf(conf_text)
     except ValueProblem as e:
         raise e.at(f"--rdzv-conf {conf_text}") from None
+    for note in notes:
+        click.echo(note, err=True)
     return backend, conf
 
 

@@ -47,6 +47,15 @@ def test_unreachable_etcd_exits_3():
                   "--rdzv-conf", "read_timeout=1")  # fmt: skip
     assert done.returncode == 3, done.stderr
     assert endpoint in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "store not reached" in done.stderr, done.stderr  # nothing ever answered there
+
+
+def test_a_conf_key_nobody_reads_is_said_as_the_launcher_says_it():
+    endpoint = f"127.0.0.1:{free_port()}"
+    done = status("--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "x",
+                  "--rdzv-conf", "bogus=1,read_timeout=1")  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "warning: --rdzv-conf bogus is not a key meshrun or torch reads" in done.stderr
 
 
 @needs_etcd
