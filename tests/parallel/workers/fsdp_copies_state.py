@@ -28,46 +28,48 @@ from tests.parallel.harness import report
 D_IN, BATCH, STEPS = 5, 8, 5
 
 
-class LateKey(torch.optim.Optimizer):
+class _PerParameter(torch.optim.Optimizer):
+    """An optimizer whose `update` sees one parameter with a gradient and its state."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, self.state[p], group["lr"])
+
+
+class LateKey(_PerParameter):
     """SGD with momentum that also keeps an average of the parameter from its 3rd step."""
 
     def __init__(self, params, lr=0.1):
-        super().__init__(params, {"lr": lr})
+        super().__init__(params, lr)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                st["n"] = st.get("n", 0) + 1
-                st.setdefault("buf", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
-                p.add_(st["buf"], alpha=-group["lr"])
-                if st["n"] >= 3:
-                    st.setdefault("avg", p.detach().clone()).mul_(0.5).add_(p, alpha=0.5)
+    def update(self, p, st, lr):
+        st["n"] = st.get("n", 0) + 1
+        st.setdefault("buf", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+        p.add_(st["buf"], alpha=-lr)
+        if st["n"] >= 3:
+            st.setdefault("avg", p.detach().clone()).mul_(0.5).add_(p, alpha=0.5)
 
 
-class Fp32Moments(torch.optim.Optimizer):
+class Fp32Moments(_PerParameter):
     """Adam-like, keeping fp32 moments for low-precision parameters."""
 
     def __init__(self, params, lr=0.01):
-        super().__init__(params, {"lr": lr})
+        super().__init__(params, lr)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["m"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["v"] = torch.zeros_like(p, dtype=torch.float32)
-                g = p.grad.float()
-                st["m"].mul_(0.9).add_(g, alpha=0.1)
-                st["v"].mul_(0.99).addcmul_(g, g, value=0.01)
-                p.sub_((group["lr"] * st["m"] / (st["v"].sqrt() + 1e-8)).to(p.dtype))
+    def update(self, p, st, lr):
+        if not st:
+            st["m"] = torch.zeros_like(p, dtype=torch.float32)
+            st["v"] = torch.zeros_like(p, dtype=torch.float32)
+        g = p.grad.float()
+        st["m"].mul_(0.9).add_(g, alpha=0.1)
+        st["v"].mul_(0.99).addcmul_(g, g, value=0.01)
+        p.sub_((lr * st["m"] / (st["v"].sqrt() + 1e-8)).to(p.dtype))
 
 
 class Net(nn.Module):
@@ -154,9 +156,8 @@ def scenario(rank, start, dtype, events, joiner) -> list[str]:
     for step in range(STEPS):
         if step in events:
             events[step](state)
-        x, y = (torch.Generator().manual_seed(1000 + step) for _ in range(2))
-        x = torch.randn(BATCH, D_IN, generator=x)
-        y = torch.randn(BATCH, 2, generator=y)
+        g = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, 2, generator=g)
         rows = slice(rank * BATCH // 4, (rank + 1) * BATCH // 4)
         state["optim"].zero_grad(set_to_none=True)
         (state["model"](x[rows]) - y[rows]).square().mean().backward()
