@@ -30,6 +30,7 @@ Dependencies (the only waits there are; the runtime's sends never block):
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ class Action:
             raise ValueError(f"Action: kind must be 'F', 'B' or 'W' (got {self.kind!r})")
         for name in ("stage", "microbatch"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"Action: {name} must be an int (got {value!r})")
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"Action: stage and microbatch must be >= 0 (got stage "
