@@ -284,9 +284,8 @@ class Copies:
         """This rank's snapshot now (layout: `_current`'s): its packed rows, in a buffer from
         the spares when one fits, and, with ``whole``, what it holds whole."""
         layout = self.sharded[1]
-        # each parameter's optimizer state (the first optimizer's that has it, as `_state_of`)
-        entries = {id(p): entry for o in reversed(_optimizers(state))
-                   for p, entry in o.state.items()}
+        # each parameter's optimizer state (one optimizer per parameter: `_layout` checks it)
+        entries = {id(p): entry for o in _optimizers(state) for p, entry in o.state.items()}
         tensors = [t for i, (_, p) in enumerate(params)
                    for t in [p, *(entries[id(p)][k] for k in layout.keys[i])]]
         packed = layout.empty(params[0][1].device, self._spares)
@@ -438,12 +437,15 @@ def _layout(state: MutableMapping, params: list[tuple[str, nn.Parameter]],
                        [tuple(_unit_shape(p)) for _, p in params], [[] for _ in params],
                        [[str(p.dtype).removeprefix("torch.")] for _, p in params])
     optimizers = _optimizers(state)
+    owners: dict[int, list[str]] = {}  # id(parameter) -> the state keys of its optimizers
+    for key in sorted(state, key=str):
+        if isinstance(state[key], torch.optim.Optimizer):
+            for q in {id(q) for g in state[key].param_groups for q in g["params"]}:
+                owners.setdefault(q, []).append(key)
     for name, p in params:
-        owners = [k for k in sorted(state, key=str) if isinstance(state[k], torch.optim.Optimizer)
-                  and any(q is p for g in state[k].param_groups for q in g["params"])]
-        if len(owners) > 1:
+        if len(owners.get(id(p), [])) > 1:
             raise RuntimeError(f"neighbour copies: parameter {name!r} is in optimizers "
-                               f"{owners}; the copies keep one optimizer's state per "
+                               f"{owners[id(p)]}; the copies keep one optimizer's state per "
                                f"parameter: give each parameter to one optimizer, or pass "
                                f"copy_every=0 and recover from checkpoints")
     keys = [_shard_keys(optimizers, name, p) for name, p in params]
