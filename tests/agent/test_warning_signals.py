@@ -55,9 +55,21 @@ def test_each_worker_gets_a_warning_exactly_once(launch, tmp_path, how):
     assert "the job goes on" in err
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return bool(int(fields["SigCgt"], 16) >> (sig - 1) & 1)
+
+
 def test_warning_during_start_up_does_not_kill_meshrun(launch, tmp_path):
     proc = launch.start(["--nproc-per-node", "1", str(SCRIPT), str(tmp_path)])
-    time.sleep(0.3)  # still starting: importing, rendezvous
+    # still starting (importing, rendezvous), but past the interpreter's own start: no code of
+    # meshrun's runs before that, and a fixed 0.3 s was not always past it on a loaded machine
+    deadline = time.monotonic() + 30
+    while not _catches(proc.pid, signal.SIGUSR1):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
     os.kill(proc.pid, signal.SIGUSR1)
     deadline = time.monotonic() + 40
     while not (tmp_path / "ready_0").exists():
