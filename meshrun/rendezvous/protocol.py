@@ -455,6 +455,11 @@ class Rendezvous:
                 # pieces of dead_after, so a closer that died after joining is found by counting
                 wait_key = self._round_key(target, "quorum")
                 until = deadline if s.min_nodes < s.max_nodes else min(deadline, now + s.dead_after)
+                if s.min_nodes == s.max_nodes and self._likely_rank0():
+                    # the node that will host the workers' store waits for the membership
+                    # itself: it publishes the master address before the others read the
+                    # membership, so they find it there instead of each watching for it
+                    wait_key = closed_key
             else:
                 wait_key, until = closed_key, min(last_call_at, deadline)
             item = self.store.wait_for_change(wait_key, 0, min(_IDLE_WAIT, max(0.0, until - now)))
@@ -467,6 +472,15 @@ class Rendezvous:
         the first to have joined."""
         seq = self._joined[1]
         return seq == count if joined >= self.settings.max_nodes else seq == 1
+
+    def _likely_rank0(self) -> bool:
+        """Whether this joiner will most likely be node rank 0 of the round it joined (the
+        order of `assign_node_ranks`): ``--node-rank 0``, node rank 0 of the last round, or
+        the first to join when it brings neither. A wrong guess costs time, never order."""
+        me = self.me
+        if me.node_rank_hint is not None or me.prev_rank is not None:
+            return me.node_rank_hint == 0 or (me.node_rank_hint is None and me.prev_rank == 0)
+        return self._joined[1] == 1
 
     def _watch_running_round(self, round: int) -> None:
         if self._watched_round == round:
@@ -552,12 +566,16 @@ class Rendezvous:
         """Wait for node rank 0 to publish the workers' store; None if it died meanwhile (the
         round is then moved on, spending nothing) or another node moved the round on."""
         s = self.settings
+        master_key = self._round_key(target, "master")
+        item = self.store.get(master_key)  # mostly there already (see `_likely_rank0`)
+        if item is not None:
+            return item
         self._heartbeat.watch(rank0)
         deadline = self._clock() + s.read_timeout + s.dead_after
         while self._clock() < deadline:
             # pieces of dead_after: a lost node rank 0 cannot be told sooner, and a thousand
             # nodes waiting here must not poll the store every keep-alive interval
-            item = self.store.wait_for_change(self._round_key(target, "master"), 0, s.dead_after)
+            item = self.store.wait_for_change(master_key, 0, s.dead_after)
             if item is not None:
                 return item
             self._heartbeat.check()

@@ -363,3 +363,70 @@ def test_a_malformed_store_value_is_one_rendezvous_error_never_a_traceback(garba
         b.poll()
     for n in (a, b):
         n.close()
+
+
+class _SlowQuorum(MemoryStore):
+    """Writes a round's quorum key only after a pause, and records who waited for which key:
+    the nodes woken by the quorum key then arrive well after node rank 0 read the close."""
+
+    def __init__(self):
+        super().__init__()
+        self.waited: list[tuple[str, str]] = []  # (thread name, key)
+
+    def set_once(self, key, value):
+        if key.endswith("/quorum"):
+            time.sleep(1.0)
+        return super().set_once(key, value)
+
+    def wait_for_change(self, key, version, timeout):
+        self.waited.append((threading.current_thread().name, key))
+        return super().wait_for_change(key, version, timeout)
+
+
+def test_node_rank_0_publishes_the_master_before_the_others_look_for_it():
+    """MIN = MAX: the first joiner (node rank 0 of a first round) waits for the close itself,
+    not for the quorum key that wakes everyone, so the master address is in the store when
+    the others read the membership: none of them waits for it (at a thousand nodes, a
+    thousand watches and neighbour watches on node rank 0 saved)."""
+    # long keep-alives: the others wait for the quorum key in pieces of dead_after, and a
+    # piece must not end (and the close be read) before node rank 0 had its chance
+    store, s = _SlowQuorum(), settings(4, 4, keep_alive_interval=1.0)
+    nodes = [make_node(store, s, f"n{i}") for i in range(4)]
+    results = [None] * 4
+
+    def join(i):
+        results[i] = nodes[i].next_round()
+
+    first = threading.Thread(target=join, args=(0,), name="node-0", daemon=True)
+    first.start()
+    while store.count("/meshrun/job/r0/node/") < 1:
+        time.sleep(0.01)  # n0 joins first
+    others = [threading.Thread(target=join, args=(i,), name=f"node-{i}", daemon=True)
+              for i in range(1, 4)]
+    for t in others:
+        t.start()
+    for t in [first, *others]:
+        t.join(20)
+    assert results[0].node_rank == 0 and sorted(r.node_rank for r in results) == [0, 1, 2, 3]
+    master_waits = {who for who, key in store.waited if key.endswith("/master")}
+    assert master_waits == set(), master_waits
+    for n in nodes:
+        n.close()
+
+
+@pytest.mark.parametrize(("hint", "prev", "seq", "likely"), [
+    (None, None, 1, True),  # a first round's first joiner
+    (None, None, 2, False),
+    (0, None, 3, True),  # --node-rank 0
+    (1, None, 1, False),
+    (None, 0, 2, True),  # node rank 0 of the last round
+    (None, 1, 1, False),
+    (2, 0, 1, False),  # a hint wins over the last round's rank
+])
+def test_the_likely_node_rank_0_follows_the_order_of_assign_node_ranks(hint, prev, seq, likely):
+    node = Rendezvous(MemoryStore(), settings(2, 2),
+                      NodeDesc("x", "127.0.0.1", 1, node_rank_hint=hint, prev_rank=prev),
+                      host_bootstrap=lambda: ("127.0.0.1", 4000))
+    node._joined = (0, seq)
+    assert node._likely_rank0() is likely
+    node.close()
