@@ -1,6 +1,6 @@
 """``python -m meshrun`` is the same as the ``meshrun`` command."""
 
-from meshrun.launcher.cli import console_main
+from meshrun._console import console_main
 
 if __name__ == "__main__":
     console_main()

@@ -88,12 +88,14 @@ class Launcher:
         text: bool = True,
         cwd: Path | None = None,
         start_new_session: bool = False,
+        command: list[str] | None = None,
     ) -> subprocess.Popen:
-        """Start ``python -m meshrun ARGS``; returns the Popen (its pid is the agent's; with
-        ``start_new_session`` also its process group's id)."""
+        """Start ``python -m meshrun ARGS`` (or ``command ARGS``: the console script);
+        returns the Popen (its pid is the agent's; with ``start_new_session`` also its
+        process group's id)."""
         full_env = meshrun_env(**(env or {}))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshrun", *args],
+            [*(command or [sys.executable, "-m", "meshrun"]), *args],
             cwd=cwd or self.cwd,
             env=full_env,
             stdin=subprocess.DEVNULL,

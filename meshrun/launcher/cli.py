@@ -14,7 +14,6 @@ parsing, so ``meshrun --help`` and bad input answer at once.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -62,11 +61,11 @@ def console_main() -> None:
     released; what is left is the interpreter's teardown of torch (about 0.4 s here), which a
     user waiting on a stopped job should not pay. So stdio is flushed and the process leaves
     with ``os._exit``. A console that goes away (``meshrun ... | head``) is survived
-    (`meshrun.launcher.stdio`): the job runs on, and the exit code stays the job's.
+    (`meshrun.launcher.stdio`): the job runs on, and the exit code stays the job's. A
+    scheduler's warning (SIGUSR1/2) during start-up is survived: `meshrun._console`, the
+    console script's entry, put a handler in place before this module was imported.
     """
     survive_closed_console()
-    for warning in (signal.SIGUSR1, signal.SIGUSR2):  # a scheduler's "save soon" must not kill
-        signal.signal(warning, lambda signum, frame: None)  # meshrun while it starts up
     try:
         main()
     except SystemExit as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -78,6 +79,52 @@ def test_warning_during_start_up_does_not_kill_meshrun(launch, tmp_path):
     (tmp_path / "stop").touch()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+
+
+_WARN_AT_IMPORT = """\
+import os, signal, sys
+
+def _hook(event, args):
+    # the first import of the module named in the variable: a warning to this very process,
+    # at that moment (the variable goes, so the workers started later do not do it too)
+    if event == "import" and args[0] == os.environ.get("WARN_AT_IMPORT"):
+        del os.environ["WARN_AT_IMPORT"]
+        with open(os.environ.pop("WARN_SENT"), "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+sys.addaudithook(_hook)
+"""
+
+
+@pytest.mark.parametrize("how", ["python -m meshrun", "the meshrun console script"])
+def test_a_warning_while_the_launcher_imports_does_not_kill_meshrun(launch, tmp_path, how):
+    """The warning lands as click is imported, before any of the launcher's code ran (the
+    launcher's first imports): meshrun's entry point caught it first (`meshrun._console`)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_WARN_AT_IMPORT)
+    sent = tmp_path / "sent"
+    env = {"PYTHONPATH": str(hooks), "WARN_AT_IMPORT": "click", "WARN_SENT": str(sent)}
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--nproc-per-node", "1", str(SCRIPT), str(out)]
+    command = None  # python -m meshrun
+    if how == "the meshrun console script":  # as pip wrote it from pyproject's scripts
+        script = Path(sys.executable).with_name("meshrun")
+        if not script.exists():
+            pytest.skip(f"no meshrun console script beside {sys.executable}")
+        command = [str(script)]
+    proc = launch.start(args, env=env, command=command)
+    deadline = time.monotonic() + 40
+    while not (out / "ready_0").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, (proc.poll(),
+                                                                     proc.stderr.read())
+        time.sleep(0.05)
+    (out / "stop").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert sent.read_text() == str(proc.pid)  # the warning went to meshrun itself
 
 
 def test_listed_warning_signal_stops_the_job_as_torchrun(launch, tmp_path):
