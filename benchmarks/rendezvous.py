@@ -418,6 +418,8 @@ def time_to_rank(
             out = {"cap_lower": cap, "ranked": len(ranked), "cap": cap}
             if cpu is not None:
                 out["cpu"] = cpu
+            if impl == "etcd":
+                out["why"] = _job_state(etcd_endpoint, run_id)
             return out
         ranks = sorted(int(v[0]) for v in ranked.values())
         if ranks != list(range(n)):
@@ -479,11 +481,28 @@ def summary(r: dict) -> str:
     return out
 
 
+def _job_state(endpoint: str, run_id: str) -> str:
+    """The job's state record on etcd, read after a round that did not finish: its round and
+    reason say whether the agents started another round (a node seen lost) or still wait."""
+    from meshrun.rendezvous.etcd_gateway import EtcdOptions, Gateway, b64, unb64
+    from meshrun.rendezvous.protocol import job_prefix, state_key
+
+    gw = Gateway(EtcdOptions.from_conf(endpoint, {}, 10.0))
+    try:
+        kvs = gw.call("kv/range", {"key": b64(state_key(job_prefix(run_id)))}).get("kvs")
+        return unb64(kvs[0]["value"]).decode(errors="replace") if kvs else "no state key"
+    except Exception as e:  # noqa: BLE001 - a diagnostic, never the benchmark's failure
+        return f"state not read: {e}"
+    finally:
+        gw.close()
+
+
 def cell_time(r: dict) -> str:
     if "time" in r:
         return f"{r['time']:.2f} s"
     if "cap" in r:
-        return f"did not finish in {r['cap']:g} s ({r['ranked']} ranked)"
+        why = f"; job state then: {r['why']}" if r.get("why") else ""
+        return f"did not finish in {r['cap']:g} s ({r['ranked']} ranked{why})"
     if "skipped" in r:
         return r["skipped"]
     return f"failed: {r.get('error', '?')}"

@@ -6,7 +6,9 @@ modules before it can install one (about 0.2 s, more on a loaded machine), so a 
 landed then killed the job before any worker started. Here a do-nothing handler comes first,
 then the launcher is imported; the agent later replaces the handler with its own, which passes
 the warning on to the workers. What is left is the interpreter's own start, before any code of
-meshrun's can run.
+meshrun's can run. A warning caught here is kept (`take_early`): the agent replays it through
+its own handler, so a warning listed in ``--signals-to-handle`` still stops the job, and an
+unlisted one is said as any warning before the first worker is.
 
 Not ``SIG_IGN``: an ignored signal stays ignored across ``exec``, so the workers would inherit
 it and a script's own "save soon" handling would never see the warning.
@@ -18,9 +20,19 @@ import signal
 
 WARNINGS = (signal.SIGUSR1, signal.SIGUSR2)
 
+_early: list[int] = []  # warnings caught before the agent's handler was in place
+
 
 def _survive(signum, frame) -> None:
-    """A warning before the agent's handler is in place: nothing to pass on yet."""
+    """A warning before the agent's handler is in place: kept for the agent (`take_early`)."""
+    _early.append(signum)
+
+
+def take_early() -> list[int]:
+    """The warnings caught here so far, in order, each once (the agent replays them)."""
+    taken = _early[:]
+    del _early[:len(taken)]
+    return taken
 
 
 def console_main() -> None:

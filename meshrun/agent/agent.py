@@ -42,6 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshrun import exit_guard, in_place
+from meshrun._console import take_early
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.collectives import (
     RECORD_ENV,
@@ -242,6 +243,11 @@ class Agent:
                 "agent_start", node=self.node_id, nproc=self.config.nproc_per_node,
                 run_id=self.run_id,
             )  # fmt: skip
+            for s in take_early():  # warnings meshrun's entry point caught before our handlers
+                if s in self.config.signals_to_handle:
+                    self._on_signal(s, None)  # "stop", as if it came now
+                else:
+                    self._no_worker_warning(s)
             store, addr = self._interruptible(
                 open_store,
                 self.config.rdzv_backend,
@@ -1000,8 +1006,15 @@ class Agent:
                 passed = True
                 say(f"received {name}: passed to every worker; the job goes on")
             else:
-                say(f"received {name} while no worker ran; the job goes on")
+                self._no_worker_warning(signum)
+                continue
             self._events.emit("signal", signal=name, passed_on=passed)
+
+    def _no_worker_warning(self, signum: int) -> None:
+        """A warning that came while no worker ran: nobody to pass it to; said, and an event."""
+        name = _signal_name(signum)
+        say(f"received {name} while no worker ran; the job goes on")
+        self._events.emit("signal", signal=name, passed_on=False)
 
     def _raise_if_signalled(self) -> None:
         """Raise `_Stopped` when a handled signal arrived (checked before spending anything)."""
@@ -1014,6 +1027,7 @@ class Agent:
         A call blocked inside TCPStore (C++) would delay Python's signal handlers until it
         returns; the main thread stays free instead. Raises `_Stopped` on a handled signal.
         """
+        self._raise_if_signalled()  # one that came before (a fast call has no join to see it)
         outcome: list = []
 
         def call() -> None:
@@ -1026,8 +1040,8 @@ class Agent:
         thread.start()
         while thread.is_alive():
             thread.join(0.05)
-            if self._signal is not None:
-                raise _Stopped(self._signal)
+            self._raise_if_signalled()
+        self._raise_if_signalled()  # one that came as the call ended: before anything starts
         ok, value = outcome[0]
         if not ok:
             raise value

@@ -62,6 +62,9 @@ import time
 #: The warning signals schedulers send (SLURM's ``--signal``, ``scancel -s``): the reaper
 #: survives them and tells the agent it got one.
 PROBED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+#: Blocked from the reaper's spawn until its handlers are in place (`meshrun.agent.spawn`):
+#: a signal sent to every process of the job during its start must not kill it.
+BLOCKED_AT_START = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, *PROBED_SIGNALS)
 
 if __name__ != "__main__":
     # The agent side. The reaper process itself (run as a script) needs none of these, and
@@ -70,6 +73,8 @@ if __name__ != "__main__":
     import select
     import subprocess
     import threading
+
+    from meshrun.agent.spawn import popen
 
     log = logging.getLogger(__name__)
 
@@ -119,8 +124,9 @@ class Reaper:
                 return
             rfd, wfd = os.pipe()
             try:
-                proc = subprocess.Popen(
+                proc = popen(  # its signals blocked until its handlers are in place
                     [sys.executable, "-I", "-S", os.path.abspath(__file__)],
+                    blocked=BLOCKED_AT_START,
                     stdin=rfd,
                     stdout=subprocess.PIPE,
                     start_new_session=True,
@@ -245,6 +251,8 @@ def _main() -> int:
         signal.signal(sig, _tell_agent)
     # Tell the agent that the signals are handled; stdout then carries only those bytes.
     os.write(1, b"ready\n")
+    # started with these blocked (`Reaper.start`): any that came meanwhile is delivered now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED_AT_START)
     watched: dict[int, int | None] = {}  # pgid -> pidfd of its leader (None: not opened)
     buf = b""
     while True:

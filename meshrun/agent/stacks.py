@@ -39,6 +39,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshrun.agent.spawn import popen
+
 #: The signal faulthandler is armed on in workers: a real-time signal, since SIGUSR1 and
 #: SIGUSR2 belong to the user and the scheduler (SLURM's ``--signal=USR1@N``). Its default
 #: action would kill a worker that did not arm it: it is only ever sent to one that did (its
@@ -370,7 +372,7 @@ def _py_spy() -> str | None:
 
 
 def _spy(py_spy: str, t: Target) -> subprocess.Popen:
-    return subprocess.Popen(
+    return popen(
         [py_spy, "dump", "--full-filenames", "--pid", str(t.pid)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip

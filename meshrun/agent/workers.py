@@ -48,6 +48,7 @@ from meshrun.agent.errors import WorkerFailure, read_error_file
 from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
 from meshrun.agent.ptys import open_pty, set_size, terminal_size
 from meshrun.agent.reaper import Reaper, scan_processes
+from meshrun.agent.spawn import popen
 
 __all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState", "become_subreaper"]
 
@@ -470,8 +471,8 @@ class WorkerGroup:
         # our own copies of the masters, to resize them while the forwarders read theirs
         self._ptys += [os.dup(fd) for fd, size in ((out_fd, out_size), (err_fd, err_size)) if size]
         try:
-            proc = subprocess.Popen(
-                list(spec.argv),
+            proc = popen(  # fork, not vfork (`meshrun.agent.spawn`)
+                spec.argv,
                 env=dict(spec.env),
                 cwd=spec.cwd,
                 stdin=subprocess.DEVNULL,

@@ -125,6 +125,101 @@ def test_a_warning_while_the_launcher_imports_does_not_kill_meshrun(launch, tmp_
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert sent.read_text() == str(proc.pid)  # the warning went to meshrun itself
+    assert "received SIGUSR1 while no worker ran; the job goes on" in err, err
+
+
+def test_a_listed_warning_while_the_launcher_imports_stops_the_job(launch, tmp_path):
+    """--signals-to-handle SIGUSR1: the warning means "stop", also when it came before the
+    agent's handler was in place (meshrun's entry point kept it for the agent)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_WARN_AT_IMPORT)
+    sent = tmp_path / "sent"
+    env = {"PYTHONPATH": str(hooks), "WARN_AT_IMPORT": "click", "WARN_SENT": str(sent)}
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launch.start(["--nproc-per-node", "1", "--signals-to-handle", "SIGTERM,SIGUSR1",
+                         str(SCRIPT), str(out)], env=env)  # fmt: skip
+    _, err = proc.communicate(timeout=60)
+    assert sent.read_text() == str(proc.pid)
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert not (out / "ready_0").exists()  # stopped before any worker ran
+
+
+# In the agent only (the variable goes): when it starts a child whose command line names
+# STORM_AT_SPAWN, a thread sends SIGUSR1 for 50 ms to the agent's process group (proctrack/
+# pgid, kill -USR1 -PGID) or to the agent and that child (proctrack/cgroup, linuxproc signal
+# every process of the step).
+_STORM_AT_SPAWN = """\
+import os, signal, sys, threading, time
+_match = os.environ.pop("STORM_AT_SPAWN", None)
+_how = os.environ.pop("STORM_HOW", "group")
+
+def _targets():
+    # the agent, and its children that run the matching command (the others, workers that
+    # started meanwhile, are the script's own business until their handler is in place)
+    me = os.getpid()
+    found = [me]
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    named = _match.encode() in f.read()
+                if parent == me and named:
+                    found.append(int(pid))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+def _storm():
+    end = time.monotonic() + 0.05
+    while time.monotonic() < end:
+        if _how == "group":
+            os.killpg(os.getpgrp(), signal.SIGUSR1)
+        else:
+            for pid in _targets():
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+
+def _hook(event, args):
+    if event == "subprocess.Popen" and any(_match in str(a) for a in (args[1] or [])):
+        threading.Thread(target=_storm, daemon=True).start()
+
+if _match:
+    sys.addaudithook(_hook)
+"""
+
+
+@pytest.mark.parametrize(("child", "how"), [("reaper.py", "group"), ("reaper.py", "every"),
+                                            ("warned.py", "group")])
+def test_warnings_while_the_agent_starts_a_child_do_not_kill_it(launch, tmp_path, child, how):
+    """Warnings stormed at the agent's group, or at each of its processes, as it starts the
+    reaper or a worker: the child is started by fork, not vfork (a vfork child falls back to
+    the default action, and unblocks signals, before its setsid), and the reaper starts with
+    them blocked until its handlers are in place (`meshrun.agent.spawn`)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_STORM_AT_SPAWN)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launch.start(["--nproc-per-node", "2", "--max-restarts", "0", "--monitor-interval",
+                         "0.05", str(SCRIPT), str(out)], start_new_session=True,
+                        env={"PYTHONPATH": str(hooks), "STORM_AT_SPAWN": child,
+                             "STORM_HOW": how})  # fmt: skip
+    deadline = time.monotonic() + 40
+    while not all((out / f"ready_{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and proc.poll() is None, (proc.poll(),
+                                                                     proc.stderr.read())
+        time.sleep(0.05)
+    time.sleep(0.5)
+    (out / "stop").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
 
 
 def test_listed_warning_signal_stops_the_job_as_torchrun(launch, tmp_path):
