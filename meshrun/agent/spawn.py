@@ -12,7 +12,11 @@ starting a child. Two windows killed the new child there:
   reaper dead at start. With ``fork`` the child keeps the agent's handler (which only sets a
   flag) until ``exec``, and ``exec`` comes after ``setsid``: the warning is caught in the
   child, or never reaches it. So the agent starts its children with ``fork``
-  (``subprocess._USE_VFORK``, CPython's documented switch, off in the agent's process).
+  (``subprocess._USE_VFORK``, CPython's documented switch, off in the agent's process;
+  CPython 3.14 dropped the switch, and there the window of microseconds per spawn remains).
+  The price: ``fork`` copies the agent's page tables, about 2 ms per child before the agent
+  imported torch (the first round) and 15 ms after (later rounds), against 0.2 ms with
+  ``vfork`` (this machine, /bin/true started from a process of the agent's modules).
 - **A helper's own start.** The reaper is a Python process that needs about 20 ms to put its
   handlers in place; a warning sent to every process (proctrack/cgroup, linuxproc) in that
   time killed it. A child can be started with signals *blocked* (``blocked``): it inherits
