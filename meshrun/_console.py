@@ -6,9 +6,9 @@ modules before it can install one (about 0.2 s, more on a loaded machine), so a 
 landed then killed the job before any worker started. Here a do-nothing handler comes first,
 then the launcher is imported; the agent later replaces the handler with its own, which passes
 the warning on to the workers. What is left is the interpreter's own start, before any code of
-meshrun's can run. A warning caught here is kept (`take_early`): the agent replays it through
-its own handler, so a warning listed in ``--signals-to-handle`` still stops the job, and an
-unlisted one is said as any warning before the first worker is.
+meshrun's can run. A warning caught here is kept (`take_early`) and acted on by the agent once
+its own handlers are in place: listed in ``--signals-to-handle``, it stops the job before any
+worker starts; otherwise it is said as any warning that comes while no worker runs.
 
 Not ``SIG_IGN``: an ignored signal stays ignored across ``exec``, so the workers would inherit
 it and a script's own "save soon" handling would never see the warning.

@@ -21,8 +21,9 @@ starting a child. Two windows killed the new child there:
   handlers in place; a warning sent to every process (proctrack/cgroup, linuxproc) in that
   time killed it. A child can be started with signals *blocked* (``blocked``): it inherits
   the mask across ``exec`` and unblocks them once its handlers are in place, when any that
-  came meanwhile are delivered to them. Only for meshrun's own helpers: a worker must start
-  with the mask a script expects.
+  came meanwhile are delivered to them (py-spy, which has no handler, keeps them blocked for
+  its life). Only for meshrun's own helpers: a worker must start with the mask a script
+  expects.
 
 A user's script is on its own from its ``exec`` until its handler is in place, as under
 torchrun.

@@ -372,8 +372,11 @@ def _py_spy() -> str | None:
 
 
 def _spy(py_spy: str, t: Target) -> subprocess.Popen:
+    # the schedulers' warnings blocked for its life: one sent to every process of the job
+    # must not end a stack dump (py-spy has no handler for them)
     return popen(
         [py_spy, "dump", "--full-filenames", "--pid", str(t.pid)],
+        blocked=(signal.SIGUSR1, signal.SIGUSR2),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
 
