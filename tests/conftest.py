@@ -16,43 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support import free_port
+from support import free_port, meshrun_env
 from timeout_pause import pytest_runtest_makereport  # noqa: F401  (a hook: see its module)
-
-REPO = Path(__file__).resolve().parents[1]
-
-# Variables the launcher reads or sets that must not leak from the test runner's environment.
-_CLEAN_PREFIXES = ("PET_", "TORCHELASTIC_", "TORCH_ELASTIC_", "MESHRUN_")
-_CLEAN_NAMES = {
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_NAME",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "OMP_NUM_THREADS",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "PYTHON_EXEC",
-}
-
-
-def meshrun_env(**extra: str) -> dict[str, str]:
-    """The environment for a meshrun subprocess: ours, cleaned, with the repo on PYTHONPATH."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(_CLEAN_PREFIXES) and k not in _CLEAN_NAMES
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), extra.pop("PYTHONPATH", "")) if p)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra)
-    return env
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):

@@ -1,4 +1,5 @@
-"""Small helpers the end-to-end tests share: process liveness, pid files, free ports.
+"""Small helpers the end-to-end tests share: process liveness, pid files, free ports, the
+environment of a meshrun subprocess.
 
 Importable as ``support`` from any test (pytest puts ``tests/`` on ``sys.path`` for its
 ``conftest.py``).
@@ -6,6 +7,7 @@ Importable as ``support`` from any test (pytest puts ``tests/`` on ``sys.path`` 
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -33,3 +35,39 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variables the launcher reads or sets that must not leak from the test runner's environment.
+_CLEAN_PREFIXES = ("PET_", "TORCHELASTIC_", "TORCH_ELASTIC_", "MESHRUN_")
+_CLEAN_NAMES = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTHON_EXEC",
+}
+
+
+def meshrun_env(**extra: str) -> dict[str, str]:
+    """The environment for a meshrun subprocess: ours, cleaned, with the repo on PYTHONPATH."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_CLEAN_PREFIXES) and k not in _CLEAN_NAMES
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), extra.pop("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra)
+    return env

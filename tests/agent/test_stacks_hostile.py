@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env
+from support import meshrun_env
 
 from meshrun.agent import stacks as stacks_mod
 from meshrun.agent.errors import WorkerFailure

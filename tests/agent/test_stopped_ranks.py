@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env
+from support import meshrun_env
 from support import free_port
 
 from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
