@@ -97,17 +97,23 @@ sys.addaudithook(_hook)
 """
 
 
-@pytest.mark.parametrize("how", ["python -m meshrun", "the meshrun console script"])
-def test_a_warning_while_the_launcher_imports_does_not_kill_meshrun(launch, tmp_path, how):
-    """The warning lands as click is imported, before any of the launcher's code ran (the
-    launcher's first imports): meshrun's entry point caught it first (`meshrun._console`)."""
+def _warned_at_click_import(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    """(meshrun's extra environment, the file the hook writes meshrun's pid to when it sent
+    the warning, the worker script's output folder) for a warning as click is imported."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(_WARN_AT_IMPORT)
     sent = tmp_path / "sent"
-    env = {"PYTHONPATH": str(hooks), "WARN_AT_IMPORT": "click", "WARN_SENT": str(sent)}
     out = tmp_path / "out"
     out.mkdir()
+    return {"PYTHONPATH": str(hooks), "WARN_AT_IMPORT": "click", "WARN_SENT": str(sent)}, sent, out
+
+
+@pytest.mark.parametrize("how", ["python -m meshrun", "the meshrun console script"])
+def test_a_warning_while_the_launcher_imports_does_not_kill_meshrun(launch, tmp_path, how):
+    """The warning lands as click is imported, before any of the launcher's code ran (the
+    launcher's first imports): meshrun's entry point caught it first (`meshrun._console`)."""
+    env, sent, out = _warned_at_click_import(tmp_path)
     args = ["--nproc-per-node", "1", str(SCRIPT), str(out)]
     command = None  # python -m meshrun
     if how == "the meshrun console script":  # as pip wrote it from pyproject's scripts
@@ -131,13 +137,7 @@ def test_a_warning_while_the_launcher_imports_does_not_kill_meshrun(launch, tmp_
 def test_a_listed_warning_while_the_launcher_imports_stops_the_job(launch, tmp_path):
     """--signals-to-handle SIGUSR1: the warning means "stop", also when it came before the
     agent's handler was in place (meshrun's entry point kept it for the agent)."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(_WARN_AT_IMPORT)
-    sent = tmp_path / "sent"
-    env = {"PYTHONPATH": str(hooks), "WARN_AT_IMPORT": "click", "WARN_SENT": str(sent)}
-    out = tmp_path / "out"
-    out.mkdir()
+    env, sent, out = _warned_at_click_import(tmp_path)
     proc = launch.start(["--nproc-per-node", "1", "--signals-to-handle", "SIGTERM,SIGUSR1",
                          str(SCRIPT), str(out)], env=env)  # fmt: skip
     _, err = proc.communicate(timeout=60)
