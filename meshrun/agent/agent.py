@@ -231,7 +231,7 @@ class Agent:
         # Orphans of the workers' trees (double-forked daemons) are re-parented to the agent,
         # so every round's stop finds and ends them (the whole tree is cleaned).
         self._subreaper = become_subreaper()
-        reaper = Reaper()
+        reaper = Reaper(also_ignore=tuple(self.config.signals_to_handle))
         reaper.start()
         rdzv: Rendezvous | None = None
         try:
@@ -296,6 +296,7 @@ class Agent:
             if rdzv is not None:
                 rdzv.close()
             reaper.close()
+            self._say_unpassed_warnings()
             if self._subreaper:
                 become_subreaper(False)
             for s, handler in previous.items():
@@ -1009,6 +1010,15 @@ class Agent:
                 self._no_worker_warning(signum)
                 continue
             self._events.emit("signal", signal=name, passed_on=passed)
+
+    def _say_unpassed_warnings(self) -> None:
+        """At the end: the warnings still waiting to be passed on (the job ended, or its
+        rendezvous failed, within `_PROBE_WINDOW_S` of them) are said, never dropped."""
+        while self._warnings:
+            signum, _, _ = self._warnings.pop(0)
+            name = _signal_name(signum)
+            say(f"received {name} as the job ended; not passed on")
+            self._events.emit("signal", signal=name, passed_on=False)
 
     def _no_worker_warning(self, signum: int) -> None:
         """A warning that came while no worker ran: nobody to pass it to; said, and an event."""

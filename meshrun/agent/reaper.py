@@ -37,7 +37,8 @@ No pid is signalled after it was reaped
     while the group's leader is unreaped (its pidfd still reaches it: the id cannot have
     been reused), or when it started before the agent's death was seen (a reused id can only
     be taken after the leader was reaped, which is after that). The reaper ignores
-    SIGINT, SIGTERM and SIGHUP, survives SIGUSR1 and SIGUSR2 (telling the agent it got one:
+    SIGINT, SIGTERM, SIGHUP, SIGQUIT and whatever else the agent handles
+    (``--signals-to-handle``), survives SIGUSR1 and SIGUSR2 (telling the agent it got one:
     `Reaper.signals_seen`), and lives in its own session, so terminal signals and a kill
     of the agent's process group do not take it out before its job is done. It exits when the
     agent closes the pipe either way, so it never outlives the agent.
@@ -62,9 +63,12 @@ import time
 #: The warning signals schedulers send (SLURM's ``--signal``, ``scancel -s``): the reaper
 #: survives them and tells the agent it got one.
 PROBED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-#: Blocked from the reaper's spawn until its handlers are in place (`meshrun.agent.spawn`):
-#: a signal sent to every process of the job during its start must not kill it.
-BLOCKED_AT_START = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, *PROBED_SIGNALS)
+#: What the reaper ignores whatever the agent handles: the stop signals a job step gets (the
+#: agent's default --signals-to-handle, and SIGPIPE for a reader gone).
+IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE)
+#: Never ignored: signals of the reaper's own faults, which it must die of.
+_FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGSYS,
+           signal.SIGTRAP, signal.SIGABRT, signal.SIGKILL, signal.SIGSTOP}
 
 if __name__ != "__main__":
     # The agent side. The reaper process itself (run as a script) needs none of these, and
@@ -97,7 +101,12 @@ class Reaper:
     its workers from its signal handlers, so a torchrun killed with SIGKILL leaks them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, also_ignore: tuple[int, ...] = ()) -> None:
+        """``also_ignore``: signals the reaper ignores beside `IGNORED` (the agent's
+        --signals-to-handle: a signal sent to every process of the job step reaches the
+        reaper too, and must not end it before the agent's last word). Fault signals
+        (SIGSEGV and the like) are never ignored."""
+        self._ignored = tuple(sorted({int(s) for s in (*IGNORED, *also_ignore)} - _FAULTS))
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._wfd: int | None = None
@@ -125,8 +134,9 @@ class Reaper:
             rfd, wfd = os.pipe()
             try:
                 proc = popen(  # its signals blocked until its handlers are in place
-                    [sys.executable, "-I", "-S", os.path.abspath(__file__)],
-                    blocked=BLOCKED_AT_START,
+                    [sys.executable, "-I", "-S", os.path.abspath(__file__),
+                     ",".join(map(str, self._ignored))],
+                    blocked=(*self._ignored, *PROBED_SIGNALS),
                     stdin=rfd,
                     stdout=subprocess.PIPE,
                     start_new_session=True,
@@ -241,7 +251,9 @@ class Reaper:
 
 
 def _main() -> int:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+    # argv[1]: the signals to ignore (`Reaper`'s IGNORED and the agent's handled ones)
+    ignored = [int(n) for n in sys.argv[1].split(",") if n] if len(sys.argv) > 1 else []
+    for sig in ignored or IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     # The schedulers' warning signals: not the reaper's to die of; each one received is told
     # to the agent (a line: the signal number and the monotonic time it came), which learns from it whether the signal
@@ -252,7 +264,7 @@ def _main() -> int:
     # Tell the agent that the signals are handled; stdout then carries only those bytes.
     os.write(1, b"ready\n")
     # started with these blocked (`Reaper.start`): any that came meanwhile is delivered now
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED_AT_START)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [*(ignored or IGNORED), *PROBED_SIGNALS])
     watched: dict[int, int | None] = {}  # pgid -> pidfd of its leader (None: not opened)
     buf = b""
     while True:

@@ -48,7 +48,6 @@ from meshrun.agent.errors import WorkerFailure, read_error_file
 from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
 from meshrun.agent.ptys import open_pty, set_size, terminal_size
 from meshrun.agent.reaper import Reaper, scan_processes
-from meshrun.agent.spawn import popen
 
 __all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState", "become_subreaper"]
 
@@ -471,8 +470,8 @@ class WorkerGroup:
         # our own copies of the masters, to resize them while the forwarders read theirs
         self._ptys += [os.dup(fd) for fd, size in ((out_fd, out_size), (err_fd, err_size)) if size]
         try:
-            proc = popen(  # fork, not vfork (`meshrun.agent.spawn`)
-                spec.argv,
+            proc = subprocess.Popen(  # vfork: see `meshrun.agent.spawn` on the price of fork
+                list(spec.argv),
                 env=dict(spec.env),
                 cwd=spec.cwd,
                 stdin=subprocess.DEVNULL,
