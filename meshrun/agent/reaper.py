@@ -44,8 +44,9 @@ No pid is signalled after it was reaped
     agent closes the pipe either way, so it never outlives the agent.
 
 Limits
-    A worker started between ``Popen`` returning and ``watch`` being written is not covered if
-    the agent dies in that window (microseconds). If the agent ``os.fork()``s without exec
+    A worker is not covered from its spawn until ``watch`` is written (``Popen`` returns once
+    the child has exec'd: about 0.2 ms with CPython's vfork, per worker) if the agent dies
+    with SIGKILL in that window: it is orphaned. If the agent ``os.fork()``s without exec
     (e.g. multiprocessing's "fork" start method), the forked child holds the write end and the
     reaper sees EOF only when both are gone. A daemon that a worker's tree double-forked away
     (re-parented to the agent, a child subreaper) has left every watched group: the agent's
