@@ -254,7 +254,8 @@ class Reaper:
 def _main() -> int:
     # argv[1]: the signals to ignore (`Reaper`'s IGNORED and the agent's handled ones)
     ignored = [int(n) for n in sys.argv[1].split(",") if n] if len(sys.argv) > 1 else []
-    for sig in ignored or IGNORED:
+    ignored = ignored or list(IGNORED)
+    for sig in ignored:
         signal.signal(sig, signal.SIG_IGN)
     # The schedulers' warning signals: not the reaper's to die of; each one received is told
     # to the agent (a line: the signal number and the monotonic time it came), which learns from it whether the signal
@@ -265,7 +266,7 @@ def _main() -> int:
     # Tell the agent that the signals are handled; stdout then carries only those bytes.
     os.write(1, b"ready\n")
     # started with these blocked (`Reaper.start`): any that came meanwhile is delivered now
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [*(ignored or IGNORED), *PROBED_SIGNALS])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [*ignored, *PROBED_SIGNALS])
     watched: dict[int, int | None] = {}  # pgid -> pidfd of its leader (None: not opened)
     buf = b""
     while True:
