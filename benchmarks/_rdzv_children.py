@@ -119,6 +119,10 @@ def _counting_classes():
         def __init__(self, owner, inner):
             self._owner, self._inner = owner, inner
 
+        def joining(self):
+            self._owner.beat_ops += 1
+            return self._inner.joining()
+
         def beat(self):
             self._owner.beat_ops += 1
             self._inner.beat()

@@ -67,7 +67,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
     from meshrun.agent.errors import WorkerFailure
     from meshrun.launcher.status import open_job_store, parse_store_options
     from meshrun.rendezvous import RendezvousError
-    from meshrun.rendezvous.api import decode_json
+    from meshrun.rendezvous.api import decode_members
     from meshrun.rendezvous.protocol import (
         JobState,
         closed_key,
@@ -89,7 +89,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
             if closed is None or state.status != "running":
                 click.echo(f"no running round of job {run_id} at {endpoint}", err=True)
                 return EXIT_NO_JOB
-            members = decode_json(closed.value, "a round's members")
+            members = decode_members(closed.value)
             request = uuid.uuid4().hex[:12]
             key = stacks_request_key(prefix)
             current = store.get(key)
@@ -120,7 +120,7 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
                        err=True)  # fmt: skip
     silent = [r for r in range(len(members)) if r not in answers]
     title = f"job {run_id}: round {state.round}, {len(members)} node(s)"
-    _print(title, records, [f"node rank {r} ({members[r]['node_id']})" for r in silent], timeout)
+    _print(title, records, [f"node rank {r} ({members[r].node_id})" for r in silent], timeout)
     return 0
 
 

@@ -172,7 +172,7 @@ def _listening(host: str, port: int) -> None:
 
 def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> list[str] | None:
     """The lines ``meshrun status`` prints for the job under ``prefix``; None: no such job."""
-    from meshrun.rendezvous.api import decode_json
+    from meshrun.rendezvous.api import decode_members
     from meshrun.rendezvous.protocol import JobState, closed_key, nodes_key, state_key
 
     item = store.get(state_key(prefix))
@@ -190,13 +190,13 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
         joined = store.count(nodes_key(prefix, state.round))
         lines.append(f"round {state.round} is open: {joined} node(s) joined so far")
     else:
-        members = decode_json(closed.value, "a round's members")
-        alive = _liveness(store, backend, [m["node_id"] for m in members], keep_alive_interval)
+        members = decode_members(closed.value)
+        alive = _liveness(store, backend, [m.node_id for m in members], keep_alive_interval)
         lines.append(f"nodes ({len(members)}):")
         for rank, m in enumerate(members):
             lines.append(
-                f"  node rank {rank}: {m['node_id']}  addr {m['addr']}  nproc {m['nproc']}  "
-                f"{alive[m['node_id']]}"
+                f"  node rank {rank}: {m.node_id}  addr {m.addr}  nproc {m.nproc}  "
+                f"{alive[m.node_id]}"
             )
         lines.extend(_step_times(store, prefix, state.round, len(members)))
     waiting = store.count(nodes_key(prefix, state.round + 1))
@@ -234,8 +234,10 @@ def _liveness(store, backend: str, node_ids: list[str], interval: float) -> dict
     if backend == "etcd":
         out = {}
         for node_id in node_ids:
-            ttl = store.lease_ttl(store.liveness_key(node_id))
-            if ttl is None or ttl[0] <= 0:
+            ttl = store.liveness_of(node_id)
+            if ttl == "joining":
+                out[node_id] = "joining (has not beaten yet: lost if it never does)"
+            elif ttl is None or ttl[0] <= 0:
                 out[node_id] = "lost (its lease expired)"
             else:
                 remaining, granted = ttl

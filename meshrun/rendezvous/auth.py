@@ -138,7 +138,7 @@ class AuthenticatedStore(Store):
         self._read: set[str] = set()  # keys whose authentic value this store has seen
         self._warned: set[str] = set()
 
-    def __getattr__(self, name: str):  # backend extras: host, options, lease_ttl, ...
+    def __getattr__(self, name: str):  # backend extras: host, options, liveness_of, ...
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

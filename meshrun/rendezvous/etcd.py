@@ -53,7 +53,7 @@ from meshrun.rendezvous.etcd_gateway import (
     range_end,
     unb64,
 )
-from meshrun.rendezvous.etcd_liveness import EtcdLiveness, liveness_key
+from meshrun.rendezvous.etcd_liveness import JOINING, EtcdLiveness, liveness_key
 from meshrun.rendezvous.store import Liveness, Store, Versioned
 
 TXN_MAX_OPS = 128  # etcd's default --max-txn-ops: more operations in one transaction fail
@@ -373,18 +373,19 @@ class EtcdStore(Store):
         return self._gw.current
 
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
-        live = EtcdLiveness(self.options, self.prefix, node_id, dead_after)
+        live = EtcdLiveness(self.options, self.prefix, node_id, dead_after, self.job_lease)
         self._livenesses.append(live)
         return live
 
-    def liveness_key(self, node_id: str) -> str:
-        return liveness_key(self.prefix, node_id)
-
-    def lease_ttl(self, key: str) -> tuple[int, int] | None:
-        """(remaining, granted) seconds of the lease ``key`` is bound to; None: no such key."""
-        item = self._get(key)
+    def liveness_of(self, node_id: str) -> tuple[int, int] | str | None:
+        """``node_id``'s liveness key as `meshrun status` shows it: None when it is gone,
+        "joining" while it says `JOINING` (a member that has not beaten yet, or a joiner that
+        died before it was one), else the (remaining, granted) seconds of its lease."""
+        item = self._get(liveness_key(self.prefix, node_id))
         if item is None:
             return None
+        if item.value == JOINING:
+            return "joining"
         if not item.lease:
             return (-1, -1)
         result = self._call("kv/lease/timetolive", {"ID": str(item.lease)})

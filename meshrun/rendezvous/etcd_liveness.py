@@ -5,6 +5,14 @@ to its own minimum) and the key ``<prefix>liveness/<node_id>`` bound to it; ``be
 lease keep-alive, and a node is alive while its key exists. No etcd client keeps a lease alive
 in the background; the agent's keep-alive loop does, through ``beat()``.
 
+A node that is only joining (no round has it as a member yet) need not beat: nobody asks about
+it until a round closes with it. ``joining()`` writes its key with the value `JOINING`, bound
+to the job's lease, and the node's first ``beat()`` (once it is a member) binds the key to its
+own lease. A node whose key still says `JOINING` is alive for ``dead_after`` seconds from the
+asker's first look (the grace a node not yet seen gets on a heartbeat counter), then lost: it
+died before it was a member. So a thousand nodes joining at once do not also keep a thousand
+leases alive while they wait (at 1024 nodes those keep-alives were half of etcd's requests).
+
 Apart from the store because it runs on connections of its own, with traffic of its own
 (keep-alives, and a watch per node asked about; see `EtcdLiveness`).
 """
@@ -16,10 +24,11 @@ import threading
 import time
 
 from meshrun.rendezvous.api import RendezvousError, StoreLostError
-from meshrun.rendezvous.etcd_gateway import EtcdError, EtcdOptions, Gateway, b64
+from meshrun.rendezvous.etcd_gateway import EtcdError, EtcdOptions, Gateway, Item, b64
 from meshrun.rendezvous.store import Liveness
 
 MIN_TTL = 2  # seconds; etcd's own minimum is 1.5 x its election timeout, rounded up
+JOINING = b"joining"  # a joiner's liveness value, bound to the job's lease (module docstring)
 
 
 def liveness_key(prefix: str, node_id: str) -> str:
@@ -38,13 +47,17 @@ class EtcdLiveness(Liveness):
     ``keep_alive_interval``.
     """
 
-    def __init__(self, options: EtcdOptions, prefix: str, node_id: str, dead_after: float):
+    def __init__(self, options: EtcdOptions, prefix: str, node_id: str, dead_after: float,
+                 job_lease: int = 0):
         self._options = options
         self._prefix = prefix
         self._gw = Gateway(options)
         self._key = liveness_key(prefix, node_id)
         self._ttl = max(MIN_TTL, math.ceil(dead_after))
         self._every = self._ttl / 3  # seconds between refreshes, and between reads of a node
+        self._dead_after = dead_after  # a joiner's grace (`JOINING`)
+        self._job_lease = job_lease  # 0: no job lease, so no joining marker (it would stay)
+        self._marked = False  # our key says JOINING (and is bound to the job lease)
         self._lease = 0
         self._refreshed = -math.inf  # time.monotonic() of the last refresh
         self._watches: dict[str, _KeyWatch] = {}
@@ -65,6 +78,16 @@ class EtcdLiveness(Liveness):
             "leases expire before a write bound to them (overloaded?)"
         )
 
+    def joining(self) -> bool:
+        """Mark this node as joining (module docstring): one write of its key, bound to the
+        job's lease. False, with nothing written, when the store has no job lease."""
+        if not self._job_lease:
+            return False
+        body = {"key": b64(self._key), "value": b64(JOINING), "lease": str(self._job_lease)}
+        self._gw.call("kv/put", body)
+        self._marked = True
+        return True
+
     def beat(self) -> None:
         if self._closed:
             return
@@ -82,13 +105,14 @@ class EtcdLiveness(Liveness):
                 watch.close()
                 del self._watches[other]
         watch = self._watches.get(node_id)
-        if watch is not None and not watch.alive and watch.error is None:
+        if watch is not None and not watch.exists and watch.error is None:
             # a watch that saw the key go is final, but the node may be back: one that paused
             # past its TTL re-attaches under the same id (a cached verdict livelocked the job)
             watch.close()
             watch = None
         if watch is None:
-            watch = _KeyWatch(self._gw, self._options, liveness_key(self._prefix, node_id))
+            key = liveness_key(self._prefix, node_id)
+            watch = _KeyWatch(self._gw, self._options, key, self._dead_after)
             self._watches[node_id] = watch
         watch.asked = now
         if watch.error is not None:
@@ -101,56 +125,74 @@ class EtcdLiveness(Liveness):
         self._closed = True
         for watch in self._watches.values():
             watch.close()
-        if self._lease:
-            try:
-                self._gw.revoke(self._lease)
-            except RendezvousError:
-                pass
+        try:
+            if self._lease:
+                self._gw.revoke(self._lease)  # its key goes with it
+            elif self._marked:  # joined, never a member: the marker goes
+                self._gw.call("kv/deleterange", {"key": b64(self._key)})
+        except RendezvousError:
+            pass
         self._gw.close()
 
 
 class _KeyWatch:
-    """Whether ``key`` exists, kept up to date by a watch on its own thread and connection.
+    """Whether a node's liveness ``key`` exists, kept up to date by a watch on its own thread
+    and connection; and whether it still says `JOINING`.
 
     The key is read once (on ``gw``, the caller's connection) when the watch is made; after
-    that ``alive`` turns False when a watch sees the key deleted, or a re-read (after a broken
-    stream) finds it gone. A store that stops answering sets ``error`` (`StoreLostError`).
+    that ``exists`` turns False when a watch sees the key deleted, or a re-read (after a broken
+    stream) finds it gone. ``alive``: it exists, and it says JOINING for less than ``grace``
+    seconds since this watch first read it so. A store that stops answering sets ``error``
+    (`StoreLostError`).
     """
 
     _WAIT = 5.0  # seconds per watch request (then another, from the same revision)
 
-    def __init__(self, gw: Gateway, options: EtcdOptions, key: str):
+    def __init__(self, gw: Gateway, options: EtcdOptions, key: str, grace: float):
         self.key = key
         self.asked = time.monotonic()
         self.error: RendezvousError | None = None
         self._options = options
         self._stop = threading.Event()
-        self.alive, revision, version = self._read(gw)
-        if self.alive:
+        self._grace_ends: float | None = None  # set while the key says JOINING
+        self.exists, revision, version, value = self._read(gw)
+        if value == JOINING:
+            self._grace_ends = self.asked + grace
+        if self.exists:
             threading.Thread(
                 target=self._run, args=(revision + 1, version), name="meshrun-etcd-watch",
                 daemon=True,
             ).start()  # fmt: skip
 
-    def _read(self, gw: Gateway) -> tuple[bool, int, int]:
-        """(exists, the read's revision, the key's mod_revision or 0)."""
+    @property
+    def alive(self) -> bool:
+        return self.exists and (self._grace_ends is None or time.monotonic() < self._grace_ends)
+
+    def _read(self, gw: Gateway) -> tuple[bool, int, int, bytes | None]:
+        """(exists, the read's revision, the key's mod_revision or 0, its value or None)."""
         result = gw.call("kv/range", {"key": b64(self.key)})
         kvs = result.get("kvs") or []
-        version = int(kvs[0]["mod_revision"]) if kvs else 0
-        return bool(kvs), int(result["header"]["revision"]), version
+        item = Item.from_kv(kvs[0]) if kvs else None
+        version = item.version if item else 0
+        return item is not None, int(result["header"]["revision"]), version, (
+            item.value if item else None)
 
     def _run(self, start: int, version: int) -> None:
         gw = Gateway(self._options)
         try:
-            while not self._stop.is_set() and self.alive:
+            while not self._stop.is_set() and self.exists:
                 changed, item, revision = gw.watch(self.key, version, start, self._WAIT)
                 if changed:
                     if item is None:
-                        self.alive = False  # deleted: its lease expired, or it left
+                        self.exists = False  # deleted: its lease expired, or it left
                     else:
                         version, start = item.version, revision + 1
+                        if item.value != JOINING:
+                            self._grace_ends = None  # it beats: a member now
                 elif revision < 0:  # the stream broke: read again (from the next member)
-                    self.alive, revision, version = self._read(gw)
+                    self.exists, revision, version, value = self._read(gw)
+                    if value != JOINING:
+                        self._grace_ends = None
                     start = revision + 1
         except RendezvousError as e:
             self.error = e
@@ -161,4 +203,4 @@ class _KeyWatch:
         self._stop.set()
 
 
-__all__ = ["MIN_TTL", "EtcdLiveness", "liveness_key"]
+__all__ = ["JOINING", "MIN_TTL", "EtcdLiveness", "liveness_key"]

@@ -12,6 +12,7 @@ Keys, under ``/meshrun/<run_id>/``::
     r<T>/quorum             written once by the MIN-th joiner (the others wait for it); with
                             MIN = MAX by the closer, once it closed the round
     r<T>/closed             written once: the members of round T, in node-rank order
+                            (`encode_members`: compressed columns)
     r<T>/master             "host:port" of the workers' bootstrap store (node rank 0 writes it)
     r<T>/done/, alldone     the exit barrier (a register of the members whose workers succeeded)
     r<T>/succeeded/<node_id>  written once by a member whose workers all succeeded, before it
@@ -78,6 +79,8 @@ from meshrun.rendezvous.api import (
     RendezvousTimeoutError,
     StoreLostError,
     decode_json,
+    decode_members,
+    encode_members,
 )
 from meshrun.rendezvous.store import Store, Versioned
 
@@ -382,8 +385,7 @@ class Rendezvous:
         state = known[0] if known is not None else JobState()
 
         def members(item: Versioned) -> tuple[list[NodeDesc], JobState]:
-            return decode_json(item.value, "a round's members",
-                               lambda ds: [NodeDesc(**d) for d in ds]), state
+            return decode_members(item.value), state
 
         while True:
             if known is not None:
@@ -487,7 +489,7 @@ class Rendezvous:
             return
         closed = self.store.get(self._round_key(round, "closed"))
         if closed is not None:
-            self._heartbeat.watch(decode_json(closed.value, "a round's members", lambda ds: ds[0]["node_id"]))
+            self._heartbeat.watch(decode_members(closed.value)[0].node_id)
             self._watched_round = round
 
     def _try_close(
@@ -514,8 +516,7 @@ class Rendezvous:
                 return False
             joiners = joiners[:count]
         members = assign_node_ranks([NodeDesc.from_json(raw) for raw in joiners])
-        payload = json.dumps([asdict(m) for m in members]).encode()
-        self.store.compare_and_set(self._round_key(target, "closed"), 0, payload)
+        self.store.compare_and_set(self._round_key(target, "closed"), 0, encode_members(members))
         if self.settings.min_nodes == self.settings.max_nodes:  # wakes those who wait for it
             self.store.set_once(self._round_key(target, "quorum"), b"1")
         return True
@@ -526,6 +527,7 @@ class Rendezvous:
         """This node's view of the closed round ``target`` (``state``: the job state read while
         the round was open: its restart count is the round's); None when the round had to be
         abandoned (node rank 0 died before publishing the workers' store)."""
+        self._heartbeat.member()
         node_rank = next(i for i, m in enumerate(members) if m.node_id == self.me.node_id)
         master_key = self._round_key(target, "master")
         if node_rank == 0:
@@ -668,7 +670,7 @@ class Rendezvous:
         current round), one value per node that published; one read per member."""
         round = self.info.round if round is None else round
         closed = self.store.get(self._round_key(round, "closed"))
-        n = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
+        n = len(decode_members(closed.value)) if closed is not None else 0
         keys = [steps_key(self._prefix, round, r) for r in range(n)]
         return [item.value for item in self._get_existing(keys)]
 
@@ -698,7 +700,7 @@ class Rendezvous:
         member (a spare) only reads what is there.
         """
         closed = self.store.get(self._round_key(round, "closed"))
-        n = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
+        n = len(decode_members(closed.value)) if closed is not None else 0
         if self.info is not None and self.info.round == round:
             reported = self._round_key(round, "reported") + "/"
             if self.store.register(reported, self.me.node_id, b"1") >= n:
@@ -817,7 +819,7 @@ class Rendezvous:
     def _expected_leavers(self, round: int) -> int:
         """Members of ``round`` plus the nodes waiting for the round after it."""
         closed = self.store.get(self._round_key(round, "closed"))
-        members = len(decode_json(closed.value, "a round's members")) if closed is not None else 0
+        members = len(decode_members(closed.value)) if closed is not None else 0
         return members + self.store.count(self._nodes(round + 1))
 
     def wait_for_others_to_leave(self) -> None:
@@ -851,18 +853,32 @@ class _Heartbeat:
         self._neighbour: str | None = None
         self._liveness = None
         self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()
+        self._stopped = False
+        self._wake = threading.Event()  # a tick now: stop, or the first beat of a member
+        self._beating = False
         self._lock = threading.Lock()
         self.lost_neighbour: str | None = None
         self.error: BaseException | None = None
 
     def start(self) -> None:
+        """Start the thread. Where the store marks joiners (`Liveness.joining`: etcd), this
+        node beats only from `member` on: at a thousand nodes, keep-alives while they all
+        joined were half of etcd's requests, and nobody asks about a joiner."""
         if self._thread is not None:
             return
         self._liveness = self._store.liveness(self._node_id, self._settings.dead_after)
-        self._liveness.beat()
+        if not self._liveness.joining():
+            self._liveness.beat()
+            self._beating = True
         self._thread = threading.Thread(target=self._run, name="meshrun-heartbeat", daemon=True)
         self._thread.start()
+
+    def member(self) -> None:
+        """This node is a member of a round: beat from now on (the first beat at once, on the
+        heartbeat's thread: the others give a marked joiner ``dead_after`` to start)."""
+        if not self._beating:
+            self._beating = True
+            self._wake.set()
 
     def watch(self, node_id: str | None) -> None:
         with self._lock:
@@ -876,9 +892,14 @@ class _Heartbeat:
 
     def _run(self) -> None:
         interval = self._settings.keep_alive_interval
-        while not self._stopped.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stopped:
+                return
             try:
-                self._liveness.beat()
+                if self._beating:
+                    self._liveness.beat()
                 with self._lock:
                     neighbour = self._neighbour
                 if neighbour is not None and not self._liveness.is_alive(neighbour):
@@ -893,7 +914,8 @@ class _Heartbeat:
                 return
 
     def stop(self) -> None:
-        self._stopped.set()
+        self._stopped = True
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
         if self._liveness is not None:

@@ -61,7 +61,17 @@ class Liveness(abc.ABC):
 
     @abc.abstractmethod
     def is_alive(self, node_id: str) -> bool:
-        """False once ``node_id`` has not beaten for ``dead_after`` seconds (of our clock)."""
+        """False once ``node_id`` has not beaten for ``dead_after`` seconds (of our clock). A
+        node not seen beating yet is alive for ``dead_after`` from the first question about
+        it, when it is marked `joining` (etcd), or on any heartbeat counter."""
+
+    def joining(self) -> bool:
+        """Mark this node as joining, before its first `beat`: nobody asks about a node until
+        a round closes with it, so a joiner need not beat until it is a member; others see it
+        alive for ``dead_after`` from their first look, then lost if it never beats. Returns
+        whether the store marked it (then the caller beats once the node is a member); False
+        (here): beat from the start."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional
         """Stop beating (a clean exit); other nodes will see this one as gone."""

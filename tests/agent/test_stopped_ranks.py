@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import meshrun_env
-from support import free_port
+from support import free_port, meshrun_env
 
 from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
 from meshrun.agent.stacks import Whereabouts, attribute, classify, main_thread, traceback_frames

@@ -73,6 +73,10 @@ class _CountingLiveness(Liveness):
         self._owner = owner
         self._inner = inner
 
+    def joining(self):
+        self._owner.ops += 1
+        return self._inner.joining()
+
     def beat(self):
         self._owner.ops += 1
         self._inner.beat()

@@ -151,6 +151,11 @@ class EtcdCluster:
         result = self.post("kv/range", body, token, member)
         return sorted(base64.b64decode(kv["key"]).decode() for kv in result.get("kvs", []))
 
+    def get(self, key: str, member: int = 0) -> bytes | None:
+        """The value stored at ``key`` now, or None."""
+        kvs = self.post("kv/range", {"key": _b64(key.encode())}, member=member).get("kvs")
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
     def metric(self, name: str, member: int = 0) -> float:
         """The sum of a Prometheus counter's samples from the member's /metrics."""
         m = self.members[member]

@@ -153,10 +153,14 @@ def test_a_sealed_value_read_without_the_secret_names_the_secret():
     import pytest as _pytest
 
     from meshrun.rendezvous import MemoryStore, RendezvousError
-    from meshrun.rendezvous.api import decode_json
+    from meshrun.rendezvous.api import NodeDesc, decode_json, decode_members, encode_members
     from meshrun.rendezvous.auth import AuthenticatedStore
 
     inner = MemoryStore()
     AuthenticatedStore(inner, b"s3cret-0f-the-j0b-123456", "job").set_once("k", b'{"a": 1}')
     with _pytest.raises(RendezvousError, match="sealed with the job's shared secret.*secret_file"):
-        decode_json(inner.get("k").value, "a round's members")
+        decode_json(inner.get("k").value, "the job's state")
+    members = encode_members([NodeDesc(node_id="a:1:x", addr="10.0.0.1", nproc=8)])
+    AuthenticatedStore(inner, b"s3cret-0f-the-j0b-123456", "job").set_once("m", members)
+    with _pytest.raises(RendezvousError, match="sealed with the job's shared secret.*secret_file"):
+        decode_members(inner.get("m").value)

@@ -27,6 +27,8 @@ import psutil
 import pytest
 from support import free_port
 
+from meshrun.rendezvous.api import NodeDesc, encode_members
+
 pytestmark = pytest.mark.timeout(120)
 
 WORKER = Path(__file__).parent / "scripts" / "secret_worker.py"
@@ -80,7 +82,7 @@ def _attack(store) -> None:
         position = store.add(P + "r0/node/n", 1)  # join round 0
         store.multi_set([f"{P}r0/node/at/{position}", f"{P}r0/node/id/{name}"],
                         [value, str(position).encode()])  # fmt: skip
-    _forge(store, P + "r0/closed", json.dumps([rogue]).encode())  # the membership
+    _forge(store, P + "r0/closed", encode_members([NodeDesc(**rogue)]))  # the membership
     _forge(store, P + "r0/master", b"6.6.6.6:6666")  # the workers' master address
     failed = {"round": 0, "restarts": 0, "status": "failed", "reason": "forged"}
     _forge(store, P + "state", json.dumps(failed, sort_keys=True).encode())  # the outcome

@@ -121,6 +121,38 @@ def test_kill_first_joined_agent_survivor_finishes_alone(etcd_server, etcd_job):
     assert etcd_server.keys(PREFIX) == []  # the survivor, the last out, cleaned up
 
 
+def test_a_joiner_killed_before_its_round_closed_is_found_lost(etcd_server, etcd_job):
+    """A joiner does not beat until it is a member; its key says "joining", bound to the job's
+    lease, which the others keep alive. So a joiner killed -9 while it waited must still be
+    found lost once a round closes with it (after dead_after), not kept alive by that lease:
+    the survivor meets the next node in a new round, spending no restart."""
+    job = etcd_job(etcd_server, "2")
+    first = job.node()
+    deadline = time.monotonic() + 30
+    while etcd_server.get(PREFIX + "liveness/" + _first_node_id(etcd_server)) != b"joining":
+        assert time.monotonic() < deadline and first.poll() is None, job.logs()
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(10)
+    start = time.monotonic()
+    job.node()  # closes round 0 with the dead joiner as node rank 0
+    job.node()
+    records = job.wait_records(in_round(1, 2), timeout=60)
+    assert time.monotonic() - start < 40
+    assert {r["torchelastic_restart_count"] for r in records} == {0}
+    assert job.finish()[1:] == [0, 0], job.logs()
+    assert wait_keys_gone(etcd_server, timeout=15) < 12
+
+
+def _first_node_id(cluster: EtcdCluster) -> str:
+    prefix = f"{PREFIX}r0/node/"
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    kvs = cluster.post("kv/range", {"key": _b64(prefix), "range_end": _b64(end)}).get("kvs")
+    import base64
+
+    return json.loads(base64.b64decode(kvs[0]["value"]))["node_id"] if kvs else "-"
+
+
 def test_spare_exits_0_when_job_finishes(etcd_server, etcd_job):
     job = etcd_job(etcd_server, "1:2")
     job.node()
@@ -173,7 +205,12 @@ def test_waiting_costs_no_polling_and_kill9_leaves_nothing(etcd_server, etcd_job
     renewed = etcd_server.metric("etcd_debugging_lease_renewed_total") - keepalives
     # the protocol cuts waits into 5 s pieces (a few reads each); polling would be hundreds
     assert read_delta <= 8, read_delta
-    assert renewed >= 4, renewed  # the node's lease (every 0.5 s) and the job's
+    # only the job's lease is kept alive (every 5/3 s): a joiner is not beating, its liveness
+    # key says so, bound to the job's lease
+    assert 2 <= renewed <= 4, renewed
+    marks = [k for k in etcd_server.keys(PREFIX + "liveness/")]
+    assert len(marks) == 1, marks
+    assert etcd_server.get(marks[0]) == b"joining"
     os.killpg(lonely.pid, signal.SIGKILL)
     lonely.wait(10)
     assert etcd_server.keys(PREFIX)  # still there: the lease has not expired yet

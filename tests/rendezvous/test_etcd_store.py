@@ -121,6 +121,36 @@ def test_a_node_that_paused_past_its_ttl_is_alive_again_once_it_beats(etcd_serve
         store.close()
 
 
+def test_a_joiner_is_marked_on_the_job_lease_until_it_beats(etcd_server):
+    """A joiner's liveness key says "joining", bound to the job's lease (no lease of its own to
+    keep alive while it waits for a round); its first beat binds the key to its own lease; a
+    joiner that leaves without beating takes its marker with it; without a job lease nothing
+    is marked (the marker would outlive the job)."""
+    store = store_at(etcd_server.endpoint)
+    bare = EtcdStore(EtcdOptions.from_conf(etcd_server.endpoint, {}, read_timeout=3.0),
+                     "/meshrun/u/", job_lease=False)
+    try:
+        a, b = store.liveness("a", dead_after=2), store.liveness("b", dead_after=2)
+        assert a.joining() and b.joining()
+        key = "/meshrun/t/liveness/a"
+        assert etcd_server.get(key) == b"joining"
+        assert store._get(key).lease == store.job_lease
+        assert store.liveness_of("a") == "joining"
+        a.beat()
+        item = store._get(key)
+        assert item.value != b"joining" and item.lease not in (0, store.job_lease)
+        assert store.liveness_of("a")[1] == 2  # (remaining, granted) of its own lease
+        b.close()
+        assert etcd_server.get("/meshrun/t/liveness/b") is None
+        assert store.liveness_of("b") is None
+        lone = bare.liveness("c", dead_after=2)
+        assert not lone.joining()
+        assert etcd_server.keys("/meshrun/u/") == []
+    finally:
+        store.close()
+        bare.close()
+
+
 def test_the_job_lease_is_given_up_only_when_etcd_says_it_is_gone(etcd_server):
     """A keep-alive reply without a TTL is not enough to give up the job (an overloaded member
     answered so during a chaos soak, and one agent left a job the others still ran): the

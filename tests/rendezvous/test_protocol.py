@@ -365,6 +365,39 @@ def test_a_malformed_store_value_is_one_rendezvous_error_never_a_traceback(garba
         n.close()
 
 
+def test_a_membership_round_trips_and_garbage_is_one_error():
+    """A round's membership (its ``closed`` key) is stored compressed and column-wise; reading
+    it back gives the same NodeDescs in the same order, for random memberships; anything else
+    (garbage, a truncated value, the old record list, a value that inflates past the bound,
+    no members) is one RendezvousError, never an exception from zlib or json."""
+    import json
+    import zlib
+
+    from meshrun.rendezvous.api import decode_members, encode_members
+
+    rng = random.Random(7)
+    for _ in range(20):
+        members = [NodeDesc(node_id=f"h{rng.randrange(10**6)}:{i}:{rng.getrandbits(32):08x}",
+                            addr=rng.choice(["10.0.0.1", "::1", "node-7.example"]),
+                            nproc=rng.randrange(1, 9),
+                            node_rank_hint=rng.choice([None, i]), prev_rank=rng.choice([None, 3]))
+                   for i in range(rng.randrange(1, 300))]
+        assert decode_members(encode_members(members)) == members
+    raw = encode_members(members)
+    old = json.dumps([{"node_id": "a", "addr": "x", "nproc": 1, "node_rank_hint": None,
+                       "prev_rank": None}]).encode()
+    bomb = zlib.compress(b"[" + b" " * (80 << 20) + b"]")
+    empty = zlib.compress(json.dumps({f: [] for f in ("node_id", "addr", "nproc",
+                                                       "node_rank_hint", "prev_rank")}).encode())
+    extra = zlib.compress(json.dumps({"node_id": ["a"], "addr": ["x"]}).encode())
+    ragged = zlib.compress(json.dumps({"node_id": ["a", "b"], "addr": ["x"], "nproc": [1],
+                                       "node_rank_hint": [None], "prev_rank": [None]}).encode())
+    for garbage in (b"", b"\x00\x01junk", raw[: len(raw) // 2], old, bomb, empty, extra, ragged,
+                    zlib.compress(b"not json{")):
+        with pytest.raises(RendezvousError, match="a round's members\\) is malformed"):
+            decode_members(garbage)
+
+
 class _SlowQuorum(MemoryStore):
     """Writes a round's quorum key only after a pause, and records who waited for which key:
     the nodes woken by the quorum key then arrive well after node rank 0 read the close."""
