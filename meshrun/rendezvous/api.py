@@ -45,7 +45,7 @@ def decode_json(raw: bytes, what: str, make=lambda value: value):
     and the value's start, never a traceback: another program may write to the job's store."""
     try:
         return make(json.loads(raw))
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
         if bytes(raw[:2]) == b"M1":  # auth.py's seal: the job has a secret this process lacks
             raise RendezvousError(
                 f"a rendezvous value ({what}) is sealed with the job's shared secret, which "
@@ -97,7 +97,7 @@ class NodeDesc:
         return decode_json(raw, "a node", lambda d: cls(**d))
 
 
-_MEMBERS_MAX = 64 << 20  # bytes: a membership inflated past this is malformed (a zip bomb)
+_MEMBERS_MAX = 16 << 20  # bytes: a membership inflated past this is malformed (a zip bomb)
 
 
 def encode_members(members: list[NodeDesc]) -> bytes:
@@ -109,32 +109,62 @@ def encode_members(members: list[NodeDesc]) -> bytes:
     return zlib.compress(json.dumps({n: [getattr(m, n) for m in members] for n in names}).encode())
 
 
-def decode_members(raw: bytes) -> list[NodeDesc]:
-    """`encode_members`'s inverse. Raises `RendezvousError` (one line) when ``raw`` is not a
-    non-empty membership: another program wrote the key, or a job with a secret this process
-    lacks sealed it."""
+def decode_members(raw: bytes, max_nodes: int | None = None) -> list[NodeDesc]:
+    """`encode_members`'s inverse: one to ``max_nodes`` NodeDescs of distinct node ids.
+
+    Raises:
+        RendezvousError: (one line) ``raw`` is not such a membership: another program wrote
+            the key, a job with a secret this process lacks sealed it, or another meshrun
+            version wrote it.
+    """
     inflate = zlib.decompressobj()
     try:
         text = inflate.decompress(raw, _MEMBERS_MAX)
-        whole = inflate.eof and not inflate.unconsumed_tail
+        whole = inflate.eof and not inflate.unconsumed_tail and not inflate.unused_data
     except zlib.error:
         whole = False
     if not whole:
-        return decode_json(raw, "a round's members", _refuse)
-    return decode_json(text, "a round's members", _members)
-
-
-def _members(columns: dict) -> list[NodeDesc]:
-    names = [f.name for f in fields(NodeDesc)]
-    if sorted(columns) != sorted(names):
-        raise ValueError(f"fields {sorted(columns)}")
-    members = [NodeDesc(*row) for row in zip(*(columns[n] for n in names), strict=True)]
-    if not members:
-        raise ValueError("no members")
+        return decode_json(raw, "a round's members", _not_compressed)
+    members = decode_json(text, "a round's members", _members)
+    if max_nodes is not None and len(members) > max_nodes:
+        raise RendezvousError(
+            f"a rendezvous value (a round's members) is malformed: {len(members)} members, "
+            f"more than the job's maximum {max_nodes}; another program is writing to the "
+            "job's store: give the job its own --rdzv-id, or use a shared secret")
     return members
 
 
-def _refuse(_value):
+_COLUMN_TYPES = {"node_id": str, "addr": str, "nproc": int, "node_rank_hint": (int, type(None)),
+                 "prev_rank": (int, type(None))}
+
+
+def _members(columns: dict) -> list[NodeDesc]:
+    """The members from `encode_members`'s columns, each value of its field's type (ints
+    >= 0, nproc >= 1, no bool), at least one, node ids distinct (ValueError otherwise)."""
+    names = [f.name for f in fields(NodeDesc)]
+    if not isinstance(columns, dict) or sorted(columns) != sorted(names):
+        raise ValueError(f"fields {sorted(columns) if isinstance(columns, dict) else columns}")
+    for name, kind in _COLUMN_TYPES.items():
+        column = columns[name]
+        if not isinstance(column, list) or not all(
+                isinstance(v, kind) and not isinstance(v, bool) for v in column):
+            raise ValueError(f"{name} is not a list of {kind}")
+        low = 1 if name == "nproc" else 0
+        if kind is not str and any(v is not None and v < low for v in column):
+            raise ValueError(f"{name} holds a number below {low}")
+    members = [NodeDesc(*row) for row in zip(*(columns[n] for n in names), strict=True)]
+    if not members:
+        raise ValueError("no members")
+    if len({m.node_id for m in members}) != len(members):
+        raise ValueError("a node id twice")
+    return members
+
+
+def _not_compressed(value) -> list[NodeDesc]:
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "node_id" in value[0]:
+        raise RendezvousError(
+            "a round's members were written by another meshrun version (a list of records; "
+            "this one reads compressed columns): run the same meshrun version on every node")
     raise ValueError("not a compressed membership")
 
 

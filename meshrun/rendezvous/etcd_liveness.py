@@ -8,10 +8,17 @@ in the background; the agent's keep-alive loop does, through ``beat()``.
 A node that is only joining (no round has it as a member yet) need not beat: nobody asks about
 it until a round closes with it. ``joining()`` writes its key with the value `JOINING`, bound
 to the job's lease, and the node's first ``beat()`` (once it is a member) binds the key to its
-own lease. A node whose key still says `JOINING` is alive for ``dead_after`` seconds from the
-asker's first look (the grace a node not yet seen gets on a heartbeat counter), then lost: it
-died before it was a member. So a thousand nodes joining at once do not also keep a thousand
-leases alive while they wait (at 1024 nodes those keep-alives were half of etcd's requests).
+own lease. A node whose key still says `JOINING` is alive for ``joining_grace`` =
+``max(dead_after, read_timeout)`` seconds from the asker's first look, then lost: it died
+before it was a member. A live member may be that slow to read the membership and begin
+beating (3 s apart between the first and the last of 1024 nodes on 2 cores), and a grace of
+``dead_after`` alone would restart such a round for nothing; and it ends before the others
+give up waiting for node rank 0 to publish the workers' store (`Rendezvous._wait_for_master`,
+``read_timeout + dead_after``), so a node rank 0 that died while it joined moves the round on
+instead of failing the rendezvous. So a thousand nodes
+joining at once do not also keep a thousand leases alive while they wait (at 1024 nodes those
+keep-alives were half of etcd's requests); a node that dies while it joins is found lost
+up to ``joining_grace`` after the round closes with it.
 
 Apart from the store because it runs on connections of its own, with traffic of its own
 (keep-alives, and a watch per node asked about; see `EtcdLiveness`).
@@ -55,7 +62,7 @@ class EtcdLiveness(Liveness):
         self._key = liveness_key(prefix, node_id)
         self._ttl = max(MIN_TTL, math.ceil(dead_after))
         self._every = self._ttl / 3  # seconds between refreshes, and between reads of a node
-        self._dead_after = dead_after  # a joiner's grace (`JOINING`)
+        self.joining_grace = max(dead_after, options.read_timeout)  # s (module docstring)
         self._job_lease = job_lease  # 0: no job lease, so no joining marker (it would stay)
         self._marked = False  # our key says JOINING (and is bound to the job lease)
         self._lease = 0
@@ -112,7 +119,7 @@ class EtcdLiveness(Liveness):
             watch = None
         if watch is None:
             key = liveness_key(self._prefix, node_id)
-            watch = _KeyWatch(self._gw, self._options, key, self._dead_after)
+            watch = _KeyWatch(self._gw, self._options, key, self.joining_grace)
             self._watches[node_id] = watch
         watch.asked = now
         if watch.error is not None:

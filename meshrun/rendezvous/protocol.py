@@ -385,7 +385,7 @@ class Rendezvous:
         state = known[0] if known is not None else JobState()
 
         def members(item: Versioned) -> tuple[list[NodeDesc], JobState]:
-            return decode_members(item.value), state
+            return decode_members(item.value, s.max_nodes), state
 
         while True:
             if known is not None:

@@ -59,18 +59,20 @@ class Liveness(abc.ABC):
     def beat(self) -> None:
         """Record that this node is alive now. Called every ``keep_alive_interval`` seconds."""
 
+    joining_grace: float  # seconds a node marked `joining` is alive from the first look
+
     @abc.abstractmethod
     def is_alive(self, node_id: str) -> bool:
         """False once ``node_id`` has not beaten for ``dead_after`` seconds (of our clock). A
-        node not seen beating yet is alive for ``dead_after`` from the first question about
-        it, when it is marked `joining` (etcd), or on any heartbeat counter."""
+        node not seen beating yet is alive for ``joining_grace`` from the first question about
+        it, when it is marked `joining` (etcd), or on any heartbeat counter (``dead_after``)."""
 
     def joining(self) -> bool:
         """Mark this node as joining, before its first `beat`: nobody asks about a node until
         a round closes with it, so a joiner need not beat until it is a member; others see it
-        alive for ``dead_after`` from their first look, then lost if it never beats. Returns
-        whether the store marked it (then the caller beats once the node is a member); False
-        (here): beat from the start."""
+        alive for ``joining_grace`` from their first look, then lost if it never beats.
+        Returns whether the store marked it (then the caller beats once the node is a
+        member); False (here): beat from the start."""
         return False
 
     def close(self) -> None:  # noqa: B027 - optional
@@ -224,6 +226,7 @@ class CounterLiveness(Liveness):
         self._prefix = prefix
         self._clock = clock
         self._seen: dict[str, tuple[int, float]] = {}
+        self.joining_grace = dead_after  # a counter not seen moving yet: from the first look
 
     def beat(self) -> None:
         self._store.add(self._prefix + self._node_id, 1)

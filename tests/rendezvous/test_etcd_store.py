@@ -132,6 +132,7 @@ def test_a_joiner_is_marked_on_the_job_lease_until_it_beats(etcd_server):
     try:
         a, b = store.liveness("a", dead_after=2), store.liveness("b", dead_after=2)
         assert a.joining() and b.joining()
+        assert a.joining_grace == 3.0  # max(dead_after, read_timeout): a slow member has that
         key = "/meshrun/t/liveness/a"
         assert etcd_server.get(key) == b"joining"
         assert store._get(key).lease == store.job_lease

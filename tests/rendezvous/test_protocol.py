@@ -368,8 +368,10 @@ def test_a_malformed_store_value_is_one_rendezvous_error_never_a_traceback(garba
 def test_a_membership_round_trips_and_garbage_is_one_error():
     """A round's membership (its ``closed`` key) is stored compressed and column-wise; reading
     it back gives the same NodeDescs in the same order, for random memberships; anything else
-    (garbage, a truncated value, the old record list, a value that inflates past the bound,
-    no members) is one RendezvousError, never an exception from zlib or json."""
+    is one RendezvousError, never an exception from zlib or json (a breaker's list: garbage, a
+    truncated value, trailing bytes, a value that inflates past the bound, deep nesting that
+    overflows json's recursion, columns of the wrong type or length, no members, a node id
+    twice, more members than MAX; the old list of records names the version mismatch)."""
     import json
     import zlib
 
@@ -384,18 +386,32 @@ def test_a_membership_round_trips_and_garbage_is_one_error():
                    for i in range(rng.randrange(1, 300))]
         assert decode_members(encode_members(members)) == members
     raw = encode_members(members)
-    old = json.dumps([{"node_id": "a", "addr": "x", "nproc": 1, "node_rank_hint": None,
-                       "prev_rank": None}]).encode()
-    bomb = zlib.compress(b"[" + b" " * (80 << 20) + b"]")
-    empty = zlib.compress(json.dumps({f: [] for f in ("node_id", "addr", "nproc",
-                                                       "node_rank_hint", "prev_rank")}).encode())
-    extra = zlib.compress(json.dumps({"node_id": ["a"], "addr": ["x"]}).encode())
-    ragged = zlib.compress(json.dumps({"node_id": ["a", "b"], "addr": ["x"], "nproc": [1],
-                                       "node_rank_hint": [None], "prev_rank": [None]}).encode())
-    for garbage in (b"", b"\x00\x01junk", raw[: len(raw) // 2], old, bomb, empty, extra, ragged,
-                    zlib.compress(b"not json{")):
+    assert decode_members(raw, max_nodes=len(members)) == members
+
+    def packed(**changes):
+        columns = {"node_id": ["a", "b"], "addr": ["x", "y"], "nproc": [1, 2],
+                   "node_rank_hint": [None, 1], "prev_rank": [0, None]}
+        columns.update(changes)
+        return zlib.compress(json.dumps({k: v for k, v in columns.items() if v != "-"}).encode())
+
+    assert len(decode_members(packed())) == 2  # the shape the cases below break
+    bad = [b"", b"\x00\x01junk", raw[: len(raw) // 2], raw + b"trailing",
+           zlib.compress(b"[" + b" " * (20 << 20) + b"]"), zlib.compress(b"[" * 200000),
+           zlib.compress(b"not json{"), packed(node_id=[], addr=[], nproc=[], node_rank_hint=[],
+                                               prev_rank=[]),
+           packed(addr="-"), packed(node_id="ab"), packed(addr={"x": 1, "y": 2}),
+           packed(nproc=["x", 1]), packed(nproc=[0, 1]), packed(nproc=[True, 1]),
+           packed(prev_rank=[-1, None]), packed(node_id=[["a"], "b"]), packed(node_id=["a", "a"]),
+           packed(addr=["x"])]
+    for garbage in bad:
         with pytest.raises(RendezvousError, match="a round's members\\) is malformed"):
             decode_members(garbage)
+    with pytest.raises(RendezvousError, match="more than the job's maximum 1"):
+        decode_members(packed(), max_nodes=1)
+    old = json.dumps([{"node_id": "a", "addr": "x", "nproc": 1, "node_rank_hint": None,
+                       "prev_rank": None}]).encode()
+    with pytest.raises(RendezvousError, match="another meshrun version.*same meshrun version"):
+        decode_members(old)
 
 
 class _SlowQuorum(MemoryStore):

@@ -111,22 +111,25 @@ def test_liveness_sees_a_silent_node_die(store_pair):
 
 def test_a_joiner_that_never_beats_is_alive_for_dead_after_then_lost(store_pair):
     """A node that joined (`Liveness.joining`: marked where the store marks joiners) is not
-    beating yet: the others see it alive for dead_after from their first look (it may not be
-    a member of a round yet), then lost for good if it never beats; one that starts beating
-    is alive past that."""
+    beating yet: the others see it alive for ``joining_grace`` from their first look (it may
+    not be a member of a round yet), then lost for good if it never beats; one that starts
+    beating is alive past that."""
     store, connect = store_pair
     dead_after = 2.0 if type(store).__name__ == "EtcdStore" else 0.4  # etcd's minimum TTL
     joiner, member = connect().liveness("j", dead_after), connect().liveness("m", dead_after)
     joiner.joining()
     member.joining()
     watcher = store.liveness("w", dead_after)
+    grace = watcher.joining_grace
+    assert dead_after <= grace <= 10
     start = time.monotonic()
     assert watcher.is_alive("j") and watcher.is_alive("m")
     member.beat()
-    while time.monotonic() - start < 0.5 * dead_after:
+    while time.monotonic() - start < 0.5 * grace:
         assert watcher.is_alive("j") and watcher.is_alive("m")
+        member.beat()
         time.sleep(dead_after / 8)
-    while time.monotonic() - start < 1.5 * dead_after:
+    while time.monotonic() - start < grace + dead_after / 2:
         member.beat()
         time.sleep(dead_after / 8)
     assert not watcher.is_alive("j")
