@@ -332,7 +332,7 @@ class Rendezvous:
             self._heartbeat.check()
             # one read for the state and the round we expect it to be in (the next one)
             guess = self.info.round + 1 if self.info is not None else 0
-            (state, version), closed = self._read_round(guess)
+            (state, version), closed, _ = self._read_round(guess)
             self._raise_if_ended(state)
             target = state.round
             if target != guess:
@@ -352,9 +352,9 @@ class Rendezvous:
             members = self._wait_for_close(target, known)
             if members is None:
                 continue  # the job moved past that round meanwhile
-            members, state = members
+            members, state, master = members
             if any(m.node_id == self.me.node_id for m in members):
-                info = self._complete(target, members, state)
+                info = self._complete(target, members, state, master)
                 if info is not None:
                     return info
                 continue
@@ -365,18 +365,25 @@ class Rendezvous:
                     target, len(members), self.settings.max_nodes,
                 )
 
-    def _read_round(self, round: int) -> tuple[tuple[JobState, int], Versioned | None]:
-        """The job state with its version, and round ``round``'s ``closed`` key: one read."""
-        item, closed = self.store.get_many([state_key(self._prefix), self._round_key(round, "closed")])
-        return self._state_of(item), closed
+    def _read_round(
+        self, round: int
+    ) -> tuple[tuple[JobState, int], Versioned | None, Versioned | None]:
+        """The job state with its version, and round ``round``'s ``closed`` and ``master``
+        keys: one read (node rank 0 has mostly published the master address by the time the
+        others see the close: `_likely_rank0`)."""
+        item, closed, master = self.store.get_many(
+            [state_key(self._prefix), self._round_key(round, "closed"),
+             self._round_key(round, "master")])  # fmt: skip
+        return self._state_of(item), closed, master
 
     def _wait_for_close(
         self, target: int, known: tuple[JobState, int] | None = None
-    ) -> tuple[list[NodeDesc], JobState] | None:
+    ) -> tuple[list[NodeDesc], JobState, Versioned | None] | None:
         """Wait until round ``target`` is closed (closing it ourselves when it is time); returns
-        its members and the job state read with them, or None when the job moved past it
-        without us (join the current round instead). ``known``: the state this node read just
-        before joining, when ``closed`` was absent then (the first pass reads nothing)."""
+        its members, the job state read with them and the master key when it was read with
+        them, or None when the job moved past it without us (join the current round instead).
+        ``known``: the state this node read just before joining, when ``closed`` was absent
+        then (the first pass reads nothing)."""
         s = self.settings
         closed_key = self._round_key(target, "closed")
         deadline: float | None = None
@@ -384,17 +391,17 @@ class Rendezvous:
         step_in_at: float | None = None
         state = known[0] if known is not None else JobState()
 
-        def members(item: Versioned) -> tuple[list[NodeDesc], JobState]:
-            return decode_members(item.value, s.max_nodes), state
+        def members(item: Versioned, master: Versioned | None = None):
+            return decode_members(item.value, s.max_nodes), state, master
 
         while True:
             if known is not None:
                 (state, version), known = known, None
                 joined = self._joined[1]  # at least this many have joined: no count needed
             else:
-                (state, version), closed = self._read_round(target)
+                (state, version), closed, master = self._read_round(target)
                 if closed is not None:
-                    return members(closed)
+                    return members(closed, master)
                 joined = None
             self._raise_if_ended(state)
             if state.round > target:
@@ -522,11 +529,13 @@ class Rendezvous:
         return True
 
     def _complete(
-        self, target: int, members: list[NodeDesc], state: JobState
+        self, target: int, members: list[NodeDesc], state: JobState,
+        master: Versioned | None = None,
     ) -> RendezvousInfo | None:
         """This node's view of the closed round ``target`` (``state``: the job state read while
-        the round was open: its restart count is the round's); None when the round had to be
-        abandoned (node rank 0 died before publishing the workers' store)."""
+        the round was open: its restart count is the round's; ``master``: the master key when
+        it was read with the membership); None when the round had to be abandoned (node rank
+        0 died before publishing the workers' store)."""
         self._heartbeat.member()
         node_rank = next(i for i, m in enumerate(members) if m.node_id == self.me.node_id)
         master_key = self._round_key(target, "master")
@@ -541,7 +550,7 @@ class Rendezvous:
                     "run with the same --rdzv-id and secret); give each run its own --rdzv-id"
                 )
         else:
-            item = self._wait_for_master(target, members[0].node_id)
+            item = master or self._wait_for_master(target, members[0].node_id)
             if item is None:
                 return None
             addr, _, port = item.value.decode(errors="replace").rpartition(":")

@@ -82,6 +82,9 @@ def test_two_nodes_two_procs_ranks_once_and_nothing_left(etcd_server, etcd_job):
     assert sorted(r["rank"] for r in records) == [0, 1, 2, 3]
     assert {r["sum"] for r in records} == {4}
     assert PREFIX + "lease" in etcd_server.keys(PREFIX)
+    # members beat: each liveness key is bound to its node's own lease, no longer "joining"
+    alive = etcd_server.keys(PREFIX + "liveness/")
+    assert len(alive) == 2 and all(etcd_server.get(k) == b"1" for k in alive), alive
     assert job.finish() == [0, 0], job.logs()
     assert etcd_server.keys(PREFIX) == []  # the last node out deleted the prefix
 
