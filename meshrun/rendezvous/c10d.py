@@ -346,7 +346,12 @@ class TCPStoreBackend(Store):
     def get_many(self, keys: list[str]) -> list[Versioned | None]:
         if keys and self._call(self._store.check, keys):
             return [self._parse(raw) for raw in self._call(self._store.multi_get, keys)]
-        return [self.get(key) for key in keys]
+        if len(keys) < 2:
+            return [self.get(key) for key in keys]
+        # some are absent (check is True only when all exist): which, then one multi_get
+        present = [key for key in keys if self._call(self._store.check, [key])]
+        raws = dict(zip(present, self._call(self._store.multi_get, present))) if present else {}
+        return [self._parse(raws[key]) if key in raws else None for key in keys]
 
     def compare_and_set(self, key, expected_version, value):
         if expected_version == 0:

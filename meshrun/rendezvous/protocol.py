@@ -332,7 +332,7 @@ class Rendezvous:
             self._heartbeat.check()
             # one read for the state and the round we expect it to be in (the next one)
             guess = self.info.round + 1 if self.info is not None else 0
-            (state, version), closed, _ = self._read_round(guess)
+            (state, version), closed, _ = self._read_round(guess, with_master=False)
             self._raise_if_ended(state)
             target = state.round
             if target != guess:
@@ -366,15 +366,15 @@ class Rendezvous:
                 )
 
     def _read_round(
-        self, round: int
+        self, round: int, with_master: bool = True
     ) -> tuple[tuple[JobState, int], Versioned | None, Versioned | None]:
-        """The job state with its version, and round ``round``'s ``closed`` and ``master``
-        keys: one read (node rank 0 has mostly published the master address by the time the
-        others see the close: `_likely_rank0`)."""
-        item, closed, master = self.store.get_many(
-            [state_key(self._prefix), self._round_key(round, "closed"),
-             self._round_key(round, "master")])  # fmt: skip
-        return self._state_of(item), closed, master
+        """The job state with its version, and round ``round``'s ``closed`` and (unless not
+        ``with_master``) ``master`` keys: one read (node rank 0 has mostly published the
+        master address by the time the others see the close: `_likely_rank0`)."""
+        keys = [state_key(self._prefix), self._round_key(round, "closed")]
+        item, closed, *master = self.store.get_many(
+            keys + [self._round_key(round, "master")] if with_master else keys)
+        return self._state_of(item), closed, master[0] if master else None
 
     def _wait_for_close(
         self, target: int, known: tuple[JobState, int] | None = None
