@@ -884,7 +884,7 @@ class _Heartbeat:
 
     def member(self) -> None:
         """This node is a member of a round: beat from now on (the first beat at once, on the
-        heartbeat's thread: the others give a marked joiner ``dead_after`` to start)."""
+        heartbeat's thread: the others give a marked joiner ``joining_grace`` to start)."""
         if not self._beating:
             self._beating = True
             self._wake.set()
