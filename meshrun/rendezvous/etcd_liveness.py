@@ -91,7 +91,12 @@ class EtcdLiveness(Liveness):
         if not self._job_lease:
             return False
         body = {"key": b64(self._key), "value": b64(JOINING), "lease": str(self._job_lease)}
-        self._gw.call("kv/put", body)
+        try:
+            self._gw.call("kv/put", body)
+        except EtcdError as e:
+            if "lease not found" not in str(e):
+                raise
+            return False  # the job's lease is gone: the store's own calls say so, in its words
         self._marked = True
         return True
 

@@ -147,6 +147,9 @@ def test_a_joiner_is_marked_on_the_job_lease_until_it_beats(etcd_server):
         lone = bare.liveness("c", dead_after=2)
         assert not lone.joining()
         assert etcd_server.keys("/meshrun/u/") == []
+        late = store.liveness("d", dead_after=2)
+        etcd_server.post("lease/revoke", {"ID": str(store.job_lease)})  # the job ended meanwhile
+        assert not late.joining()  # nothing marked; the store's own calls say the job is gone
     finally:
         store.close()
         bare.close()
