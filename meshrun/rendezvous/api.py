@@ -109,8 +109,10 @@ def encode_members(members: list[NodeDesc]) -> bytes:
     return zlib.compress(json.dumps({n: [getattr(m, n) for m in members] for n in names}).encode())
 
 
-def decode_members(raw: bytes, max_nodes: int | None = None) -> list[NodeDesc]:
-    """`encode_members`'s inverse: one to ``max_nodes`` NodeDescs of distinct node ids.
+def decode_members(raw: bytes) -> list[NodeDesc]:
+    """`encode_members`'s inverse: one or more NodeDescs of distinct node ids (as many as the
+    node that closed the round took: its MAX may differ from this node's, and every member
+    must still agree on the one membership).
 
     Raises:
         RendezvousError: (one line) ``raw`` is not such a membership: another program wrote
@@ -125,13 +127,7 @@ def decode_members(raw: bytes, max_nodes: int | None = None) -> list[NodeDesc]:
         whole = False
     if not whole:
         return decode_json(raw, "a round's members", _not_compressed)
-    members = decode_json(text, "a round's members", _members)
-    if max_nodes is not None and len(members) > max_nodes:
-        raise RendezvousError(
-            f"a rendezvous value (a round's members) is malformed: {len(members)} members, "
-            f"more than the job's maximum {max_nodes}; another program is writing to the "
-            "job's store: give the job its own --rdzv-id, or use a shared secret")
-    return members
+    return decode_json(text, "a round's members", _members)
 
 
 _COLUMN_TYPES = {"node_id": str, "addr": str, "nproc": int, "node_rank_hint": (int, type(None)),

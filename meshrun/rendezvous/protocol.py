@@ -392,7 +392,7 @@ class Rendezvous:
         state = known[0] if known is not None else JobState()
 
         def members(item: Versioned, master: Versioned | None = None):
-            return decode_members(item.value, s.max_nodes), state, master
+            return decode_members(item.value), state, master
 
         while True:
             if known is not None:
