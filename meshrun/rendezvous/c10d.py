@@ -350,7 +350,9 @@ class TCPStoreBackend(Store):
             return [self.get(key) for key in keys]
         # some are absent (check is True only when all exist): which, then one multi_get
         present = [key for key in keys if self._call(self._store.check, [key])]
-        raws = dict(zip(present, self._call(self._store.multi_get, present), strict=True)) if present else {}
+        if not present:
+            return [None] * len(keys)
+        raws = dict(zip(present, self._call(self._store.multi_get, present), strict=True))
         return [self._parse(raws[key]) if key in raws else None for key in keys]
 
     def compare_and_set(self, key, expected_version, value):

@@ -55,11 +55,11 @@ class Liveness(abc.ABC):
     Mirrors torch elastic's keep-alive, but per node key rather than inside a shared state blob.
     """
 
+    joining_grace: float  # seconds a node marked `joining` is alive from the first look
+
     @abc.abstractmethod
     def beat(self) -> None:
         """Record that this node is alive now. Called every ``keep_alive_interval`` seconds."""
-
-    joining_grace: float  # seconds a node marked `joining` is alive from the first look
 
     @abc.abstractmethod
     def is_alive(self, node_id: str) -> bool:
