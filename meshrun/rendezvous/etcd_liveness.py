@@ -15,10 +15,10 @@ beating (3 s apart between the first and the last of 1024 nodes on 2 cores), and
 ``dead_after`` alone would restart such a round for nothing; and it ends before the others
 give up waiting for node rank 0 to publish the workers' store (`Rendezvous._wait_for_master`,
 ``read_timeout + dead_after``), so a node rank 0 that died while it joined moves the round on
-instead of failing the rendezvous. So a thousand nodes
-joining at once do not also keep a thousand leases alive while they wait (at 1024 nodes those
-keep-alives were half of etcd's requests); a node that dies while it joins is found lost
-up to ``joining_grace`` after the round closes with it.
+instead of failing the rendezvous. So a thousand nodes joining at once do not also keep a
+thousand leases alive while they wait (at 1024 nodes those keep-alives were half of etcd's
+requests); a node that dies while it joins is found lost up to ``joining_grace`` after the
+round closes with it.
 
 Apart from the store because it runs on connections of its own, with traffic of its own
 (keep-alives, and a watch per node asked about; see `EtcdLiveness`).
@@ -167,12 +167,13 @@ class _KeyWatch:
         self._options = options
         self._stop = threading.Event()
         self._grace_ends: float | None = None  # set while the key says JOINING
-        self.exists, revision, version, value = self._read(gw)
-        if value == JOINING:
+        item, revision = self._read(gw)
+        self.exists = item is not None
+        if item is not None and item.value == JOINING:
             self._grace_ends = self.asked + grace
-        if self.exists:
+        if item is not None:
             threading.Thread(
-                target=self._run, args=(revision + 1, version), name="meshrun-etcd-watch",
+                target=self._run, args=(revision + 1, item.version), name="meshrun-etcd-watch",
                 daemon=True,
             ).start()  # fmt: skip
 
@@ -180,14 +181,11 @@ class _KeyWatch:
     def alive(self) -> bool:
         return self.exists and (self._grace_ends is None or time.monotonic() < self._grace_ends)
 
-    def _read(self, gw: Gateway) -> tuple[bool, int, int, bytes | None]:
-        """(exists, the read's revision, the key's mod_revision or 0, its value or None)."""
+    def _read(self, gw: Gateway) -> tuple[Item | None, int]:
+        """(the key as read, None when it does not exist; the read's revision)."""
         result = gw.call("kv/range", {"key": b64(self.key)})
         kvs = result.get("kvs") or []
-        item = Item.from_kv(kvs[0]) if kvs else None
-        version = item.version if item else 0
-        return item is not None, int(result["header"]["revision"]), version, (
-            item.value if item else None)
+        return (Item.from_kv(kvs[0]) if kvs else None), int(result["header"]["revision"])
 
     def _run(self, start: int, version: int) -> None:
         gw = Gateway(self._options)
@@ -202,9 +200,12 @@ class _KeyWatch:
                         if item.value != JOINING:
                             self._grace_ends = None  # it beats: a member now
                 elif revision < 0:  # the stream broke: read again (from the next member)
-                    self.exists, revision, version, value = self._read(gw)
-                    if value != JOINING:
-                        self._grace_ends = None
+                    item, revision = self._read(gw)
+                    self.exists = item is not None
+                    if item is not None:
+                        version = item.version
+                        if item.value != JOINING:
+                            self._grace_ends = None
                     start = revision + 1
         except RendezvousError as e:
             self.error = e
