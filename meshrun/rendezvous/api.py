@@ -104,7 +104,7 @@ def encode_members(members: list[NodeDesc]) -> bytes:
     """A round's membership as its ``closed`` key stores it: JSON with one list per `NodeDesc`
     field, zlib-compressed. Every node reads it once a round closes; at 1024 nodes the plain
     list of records was 120 kB that etcd's JSON gateway marshalled 1024 times, where this is
-    about 9 kB, and columns parse in 40 % less time than records."""
+    about 9 kB, and columns parse faster than records (a key per column, not per node)."""
     names = [f.name for f in fields(NodeDesc)]
     return zlib.compress(json.dumps({n: [getattr(m, n) for m in members] for n in names}).encode())
 
