@@ -57,7 +57,7 @@ def heartbeat() -> None:
 
 
 @contextlib.contextmanager
-def busy(what: str = "work", *, interval: float = 1.0, timeout: float | None = None) -> Iterator[None]:
+def busy(what: str = "work", *, interval: float = 0.25, timeout: float | None = None) -> Iterator[None]:
     """Count long work that is not a training step (an evaluation, a checkpoint) as progress.
 
     While the block runs, a thread beats every ``interval`` seconds, so ``--hang-timeout``
@@ -68,7 +68,8 @@ def busy(what: str = "work", *, interval: float = 1.0, timeout: float | None = N
 
     Args:
         what: a name for the work (for the reader; not sent anywhere).
-        interval: seconds between beats (> 0).
+        interval: seconds between beats (> 0); well under the shortest ``--hang-timeout``
+            (1 s): beats 1 s apart against a 1 s timeout made one late beat a "hang".
         timeout: seconds after which the block no longer counts as progress, or None.
     """
     del what
