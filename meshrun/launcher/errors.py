@@ -13,15 +13,19 @@ from __future__ import annotations
 import re
 
 from meshrun import exits
+from meshrun.rendezvous.keys import SECRET_WORDS
 
 # ``password=VALUE`` (quoted or not), or ``'password': 'VALUE'`` as a dict is shown (quoted);
 # also secret, token, and any key with one of them in its name (auth_token, etcd_password,
-# secrets: a typo of secret), but not a ``*_file``/``*_path`` key (its value is a path). An unquoted value runs on past commas up to the next ``key=`` entry (a
-# password with a comma in ``--rdzv-conf user=u,password=ab,cd`` is all of ``ab,cd``), and
-# leaves a colon that ends the value (``...password=VALUE: the problem``) in place.
+# secrets: a typo of secret; the words: `meshrun.rendezvous.keys.SECRET_WORDS`), but not a
+# ``*_file``/``*_path`` key (its value is a path). An unquoted value runs on past commas up to
+# the next ``key=`` entry (a password with a comma in ``--rdzv-conf user=u,password=ab,cd`` is
+# all of ``ab,cd``), and leaves a colon that ends the value (``...password=VALUE: the
+# problem``) in place.
+_WORDS = "|".join(SECRET_WORDS)
 _PIECE = r"""(?:[^,\s;}:]|:(?!\s|$))"""
 _SECRET = re.compile(
-    r"""(?i)\b([\w.-]*?(?:password|passwd|secret|token)[\w.-]*?)(?<!_file)(?<!_path)"""
+    rf"""(?i)\b([\w.-]*?(?:{_WORDS})[\w.-]*?)(?<!_file)(?<!_path)"""
     rf"""(?:(['"]?\s*=\s*)("[^"]*"|'[^']*'|{_PIECE}*(?:,(?![\w.-]+\s*=){_PIECE}+)*)"""
     r"""|(['"]\s*:\s*)("[^"]*"|'[^']*'))"""
 )

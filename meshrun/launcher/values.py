@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 from meshrun.agent.config import Std, StdSpec
 from meshrun.launcher.errors import ValueProblem
+from meshrun.rendezvous import keys
+from meshrun.rendezvous.keys import Origin
 
 # Bounds no real job reaches, so a typo cannot start work that brings the machine down:
 MAX_NPROC_PER_NODE = 1024  # workers on one node (GPUs, or one per core on the biggest hosts)
@@ -198,27 +200,6 @@ def parse_flag_env(value: str) -> bool:
 RDZV_BACKENDS = ("static", "c10d", "etcd")
 _BACKEND_ALIASES = {"etcd-v3": "etcd", "etcd-v2": "etcd"}
 
-# rdzv_conf keys that hold a duration; checked here so the agent need not re-check them.
-_RDZV_SECONDS_KEYS = (
-    "join_timeout",
-    "last_call_timeout",
-    "close_timeout",
-    "read_timeout",
-    "keep_alive_interval",
-    "heartbeat_timeout",
-)
-
-# torch's names for meshrun's keys (its etcd backend's TLS options; the Kubeflow training
-# operator passes the user's rdzvConf through): read under meshrun's name, with a note.
-_CONF_ALIASES = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
-# Keys torch 2.13 reads that mean nothing to meshrun: accepted, with a note that they are ignored.
-_TORCH_ONLY_KEYS = {
-    "etcd_prefix": "meshrun keeps a job's keys under /meshrun/<run id>/",
-    "use_libuv": "meshrun's stores always use libuv",
-    "local_addr": "give --local-addr",
-}
-
-
 def parse_rdzv_backend(value: str) -> str:
     """``static``, ``c10d``, ``etcd`` (``etcd-v3`` and ``etcd-v2`` are read as ``etcd``: meshrun
     speaks etcd's v3 API, which etcd 3.4+ serves by default; `backend_note` says so for v2);
@@ -239,7 +220,7 @@ def backend_note(value: str) -> str | None:
     return None
 
 
-_SECRET_KEY = re.compile(r"(?i)password|passwd|secret|token")
+_SECRET_KEY = re.compile("(?i)" + "|".join(keys.SECRET_WORDS))
 
 
 def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
@@ -274,19 +255,19 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
         if key in conf:
             raise ValueProblem(f"key {key!r} is given twice", "give each key once")
         conf[key] = val
-    if "timeout" in conf:
-        if "join_timeout" in conf:
-            raise ValueProblem(
-                "timeout is another name for join_timeout, and both are given",
-                "give only join_timeout",
-            )
-        conf["join_timeout"] = conf.pop("timeout")
-        notes.append(
-            f"note: --rdzv-conf timeout={conf['join_timeout']} is read as "
-            f"join_timeout={conf['join_timeout']}"
-        )
+    for alias in keys.backend_dependent_aliases():  # timeout: read first, the value named
+        if alias.name in conf:
+            name = alias.alias_of
+            if name in conf:
+                raise ValueProblem(
+                    f"{alias.name} is another name for {name}, and both are given",
+                    f"give only {name}",
+                )
+            conf[name] = conf.pop(alias.name)
+            notes.append(f"note: --rdzv-conf {alias.name}={conf[name]} is read as "
+                         f"{name}={conf[name]}")  # fmt: skip
     _known_keys_only(conf, notes)
-    for key in _RDZV_SECONDS_KEYS:
+    for key in keys.durations():  # checked here so the agent need not re-check them
         if key in conf:
             try:
                 parse_seconds(conf[key])
@@ -301,25 +282,25 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
 def _known_keys_only(conf: dict[str, str], notes: list[str]) -> None:
     """Read torch's names for meshrun's keys, drop the keys meshrun has no use for (with a
     note each: torch ignores keys it does not read, so torchrun runs with them, and so does
-    meshrun), and refuse a key within two edits of a known one (a typo: ``join_timout``)."""
-    from meshrun.rendezvous.api import BACKEND_CONF_KEYS, CONF_KEYS
-
-    known = {*CONF_KEYS, *BACKEND_CONF_KEYS, "secret"}
+    meshrun), and refuse a key within two edits of a known one (a typo: ``join_timout``).
+    Which key is which: `meshrun.rendezvous.keys`."""
+    targets = keys.typo_targets()
     for key in list(conf):
-        if key in known:
+        row = keys.lookup(key)
+        if row is not None and row.origin is Origin.MESHRUN:
             continue
-        if key in _CONF_ALIASES:
-            name = _CONF_ALIASES[key]
+        if row is not None and row.origin is Origin.TORCH_ALIAS:
+            name = row.alias_of
             if name in conf:
                 raise ValueProblem(f"{key} is torch's name for {name}, and both are given",
                                    f"give only {name}")  # fmt: skip
             conf[name] = conf.pop(key)
             notes.append(f"note: --rdzv-conf {key} is read as {name}")
-        elif key in _TORCH_ONLY_KEYS:
+        elif row is not None and row.origin is Origin.TORCH_ONLY:
             del conf[key]
-            notes.append(f"note: --rdzv-conf {key} ignored ({_TORCH_ONLY_KEYS[key]})")
+            notes.append(f"note: --rdzv-conf {key} ignored ({row.note})")
         else:
-            near = sorted(k for k in known | set(_CONF_ALIASES)
+            near = sorted(k for k in targets
                           if _edits(key, k) <= (1 if len(k) <= 5 else 2))  # fmt: skip
             if near:
                 raise ValueProblem(f"unknown key {key!r}", f"did you mean {near[0]}?")

@@ -15,6 +15,9 @@ import math
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 
+from meshrun.rendezvous import keys
+from meshrun.rendezvous.keys import Kind, Origin
+
 SECRET_ENV = "MESHRUN_RDZV_SECRET"  # the shared secret's variable (`meshrun.rendezvous.auth`)
 SECRET_AS_VALUE = (  # `parse_settings` and auth's `load_secret` refuse ``secret=VALUE`` with it
     "--rdzv-conf secret: a secret given as a value is visible to every user of the host (ps) "
@@ -245,25 +248,8 @@ class RendezvousSettings:
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
 
-# The --rdzv-conf keys the protocol reads, with their types. Backend-specific keys (is_host,
-# TLS files, user/password/password_file/insecure; secret_file: the shared secret that seals
-# every rendezvous value, `meshrun.rendezvous.auth`; bind_all: the stores an agent hosts listen on every interface,
-# not only the endpoint's / advertised address) are passed through ``RendezvousSettings.extra``.
-CONF_KEYS: dict[str, type] = {
-    "join_timeout": float,
-    "last_call_timeout": float,
-    "close_timeout": float,
-    "keep_alive_interval": float,
-    "keep_alive_max_attempt": int,
-    "read_timeout": float,
-    # torch's name for the time without a heartbeat after which a node is lost (dead_after):
-    # read as keep_alive_max_attempt = ceil(heartbeat_timeout / keep_alive_interval)
-    "heartbeat_timeout": float,
-}
-BACKEND_CONF_KEYS = frozenset(
-    {"is_host", "bind_all", "cacert", "cert", "key", "user", "password", "password_file",
-     "insecure", "protocol", "store_type", "secret_file", "workers_port"}
-)  # fmt: skip
+# The number types of the protocol's keys (which keys those are: `meshrun.rendezvous.keys`).
+_NUMBER_TYPES: dict[Kind, type] = {Kind.SECONDS: float, Kind.COUNT: int}
 
 
 def settings_from_conf(
@@ -271,31 +257,39 @@ def settings_from_conf(
 ) -> RendezvousSettings:
     """Build `RendezvousSettings` from ``--rdzv-conf`` key/value strings.
 
+    Accepts the keys `meshrun.rendezvous.keys.KEYS` marks `Origin.MESHRUN` (the launcher's
+    ``parse_rdzv_conf`` has resolved torch's aliases and dropped the rest): the protocol's are
+    parsed to numbers, the others kept as text in ``extra`` for the backend that reads them.
+    Anything else is the caller's bug here, not a pod spec to tolerate (the keys module's
+    docstring: who sees which rule).
+
     Raises:
-        ValueError: an unknown key, or a value that is not a positive number; the message names
-            the key, the value and the accepted keys.
+        ValueError: an unknown key (an alias or torch-only key too), ``secret=``, or a value
+            that is not a positive number; the message names the key, the value and the
+            accepted keys.
     """
     values: dict[str, float | int] = {}
     extra: dict[str, str] = {}
     for key, raw in conf.items():
-        if key in CONF_KEYS:
-            kind = CONF_KEYS[key]
-            try:
-                value = kind(raw)
-            except ValueError:
-                raise ValueError(
-                    f"--rdzv-conf {key}={raw}: expected a {kind.__name__} number"
-                ) from None
-            if value <= 0:
-                raise ValueError(f"--rdzv-conf {key}={raw}: must be greater than 0")
-            values[key] = value
-        elif key in BACKEND_CONF_KEYS:
-            extra[key] = raw
-        elif key == "secret":  # never a value on the command line (ps): one line naming the fix
-            raise ValueError(SECRET_AS_VALUE)
-        else:
-            known = ", ".join(sorted([*CONF_KEYS, *BACKEND_CONF_KEYS]))
+        row = keys.lookup(key)
+        if row is None or row.origin is not Origin.MESHRUN:
+            known = ", ".join(sorted(k.name for k in keys.meshrun_keys() if not k.refused))
             raise ValueError(f"--rdzv-conf {key}={raw}: unknown key (known keys: {known})")
+        if row.refused:  # never a value on the command line (ps): one line naming the fix
+            raise ValueError(SECRET_AS_VALUE)
+        if not row.protocol:
+            extra[key] = raw
+            continue
+        kind = _NUMBER_TYPES[row.kind]
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ValueError(
+                f"--rdzv-conf {key}={raw}: expected a {kind.__name__} number"
+            ) from None
+        if value <= 0:
+            raise ValueError(f"--rdzv-conf {key}={raw}: must be greater than 0")
+        values[key] = value
     if "last_call_timeout" in values:  # given: it holds for round 0 too
         values["first_last_call_timeout"] = values["last_call_timeout"]
     heartbeat_timeout = values.pop("heartbeat_timeout", None)
