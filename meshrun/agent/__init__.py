@@ -11,7 +11,7 @@ Names are imported on first use (PEP 562), so the launcher can build a `LaunchCo
 from importlib import import_module
 
 _WHERE = {
-    "Agent": "agent", "worker_env": "agent",
+    "Agent": "agent", "worker_env": "worker_env",
     "LaunchConfig": "config", "Std": "config", "StdSpec": "config",
     "WorkerFailure": "errors", "format_report": "errors", "root_cause": "errors",
     "Reaper": "reaper",

@@ -28,7 +28,6 @@ This module imports nothing heavy (no torch).
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import os
 import signal as _signal
@@ -43,11 +42,14 @@ from typing import BinaryIO
 
 import psutil
 
+from meshrun.agent import process_tree
 from meshrun.agent.collectives import RECORD_FILE, read_record, summary
+from meshrun.agent.console import Console, console
 from meshrun.agent.errors import WorkerFailure, read_error_file
-from meshrun.agent.logs import Console, FilteredSink, PipeForwarder, StderrTail, console
+from meshrun.agent.logs import FilteredSink, PipeForwarder, StderrTail
+from meshrun.agent.process_tree import become_subreaper, quiet_killpg, quiet_signal, reap_orphans
 from meshrun.agent.ptys import open_pty, set_size, terminal_size
-from meshrun.agent.reaper import Reaper, scan_processes
+from meshrun.agent.reaper import Reaper
 
 __all__ = ["GroupResult", "WorkerGroup", "WorkerSpec", "WorkerState", "become_subreaper"]
 
@@ -57,27 +59,7 @@ _DRAIN_TIMEOUT_S = 1.0
 # How long wait() gives a failed worker's stderr forwarder to reach EOF, so the report has the
 # last lines. Normally EOF arrives within milliseconds of the exit.
 _TAIL_SETTLE_S = 0.5
-# Poll interval while waiting for processes that are not our children (descendants, group
-# members left after the leader exited): they give no event to wait on.
-_POLL_S = 0.02
-# prctl(2) option: orphaned descendants are re-parented to this process instead of init.
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def become_subreaper(on: bool = True) -> bool:
-    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER, 1)``, Linux 3.4+):
-    a descendant whose parent exits (a double-forked daemon) is re-parented to this process
-    rather than to init, so the whole tree of a worker stays findable. systemd and tini do the
-    same. ``on=False`` turns it off again. Returns False where it is unavailable (not Linux,
-    or the call failed); never raises.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
+_POLL_S = process_tree.POLL_S  # the wait for processes that give no event to wait on
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -341,7 +323,7 @@ class WorkerGroup:
         with self._reap_lock:
             for w in self._workers:
                 if w.exitcode is None and not self._reaped:
-                    _quiet_killpg(w.proc.pid, signum)
+                    quiet_killpg(w.proc.pid, signum)
 
     def stop(self, grace: float, death_sig: int = _signal.SIGTERM) -> None:
         """Stop all workers: ``death_sig``, up to ``grace`` seconds, then SIGKILL; reap; drain.
@@ -377,11 +359,11 @@ class WorkerGroup:
             escaped = self._descendants() + self._orphans()
             with self._reap_lock:
                 for w in self._workers:
-                    _quiet_killpg(w.proc.pid, death_sig)
-                    _quiet_killpg(w.proc.pid, _signal.SIGCONT)
+                    quiet_killpg(w.proc.pid, death_sig)
+                    quiet_killpg(w.proc.pid, _signal.SIGCONT)
             for p in escaped:
-                _quiet_signal(p, death_sig)
-                _quiet_signal(p, _signal.SIGCONT)
+                quiet_signal(p, death_sig)
+                quiet_signal(p, _signal.SIGCONT)
 
             # 2. Up to `grace` for all: workers (event-driven), then the rest (polled).
             with self._cond:
@@ -396,9 +378,9 @@ class WorkerGroup:
             escaped = escaped + self._descendants() + self._orphans()
             with self._reap_lock:
                 for w in self._workers:
-                    _quiet_killpg(w.proc.pid, _signal.SIGKILL)
+                    quiet_killpg(w.proc.pid, _signal.SIGKILL)
             for p in escaped:
-                _quiet_signal(p, _signal.SIGKILL)
+                quiet_signal(p, _signal.SIGKILL)
 
             # 4. Forget, reap, drain, close. The reaper forgets a group before its leader is
             #    reaped, so it never holds a group id that could be reused.
@@ -415,8 +397,8 @@ class WorkerGroup:
             if self._adopt_orphans:  # and those re-parented to us since the last look
                 late = self._orphans()
                 for p in late:
-                    _quiet_signal(p, _signal.SIGKILL)
-                _reap_orphans(escaped + late)
+                    quiet_signal(p, _signal.SIGKILL)
+                reap_orphans(escaped + late)
             drain_deadline = time.monotonic() + _DRAIN_TIMEOUT_S
             forwarders = [f for w in self._workers for f in (w.stdout, w.stderr)]
             for f in forwarders:
@@ -515,7 +497,7 @@ class WorkerGroup:
                                err_filter, tail=tail)  # fmt: skip
         except BaseException:
             # Not tracked yet: nothing else would ever stop this process.
-            _quiet_killpg(proc.pid, _signal.SIGKILL)
+            quiet_killpg(proc.pid, _signal.SIGKILL)
             proc.wait()
             for fd in (out_fd, err_fd):
                 try:
@@ -548,15 +530,7 @@ class WorkerGroup:
 
     def _descendants(self) -> list[psutil.Process]:
         """Live descendants of live workers, wherever their process group is."""
-        found: list[psutil.Process] = []
-        for w in self._workers:
-            if w.exitcode is not None:
-                continue
-            try:
-                found.extend(psutil.Process(w.proc.pid).children(recursive=True))
-            except psutil.Error:
-                continue
-        return found
+        return process_tree.descendants([w.proc.pid for w in self._workers if w.exitcode is None])
 
     def _orphans(self) -> list[psutil.Process]:
         """With ``adopt_orphans``: this process's children other than the workers and the
@@ -566,36 +540,12 @@ class WorkerGroup:
         known = {w.proc.pid for w in self._workers}
         if self._reaper is not None and self._reaper.pid is not None:
             known.add(self._reaper.pid)
-        found: list[psutil.Process] = []
-        try:
-            children = psutil.Process().children()
-        except psutil.Error:
-            return found
-        for child in children:
-            if child.pid in known:
-                continue
-            found.append(child)
-            try:
-                found.extend(child.children(recursive=True))
-            except psutil.Error:
-                pass
-        return found
+        return process_tree.orphans(known)
 
     def _anything_left(self, escaped: list[psutil.Process]) -> bool:
         if any(w.exitcode is None for w in self._workers):
             return True
-        # Members left in a worker's group after it exited. Zombies do not count: an init that
-        # does not reap (PID 1 in many containers) would otherwise hold us for the whole grace.
-        pgids = {w.proc.pid for w in self._workers}
-        if any(pg in pgids and st != "Z" for _, pg, st in scan_processes().values()):
-            return True
-        for p in escaped:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    return True
-            except psutil.Error:
-                pass
-        return False
+        return process_tree.anything_left({w.proc.pid for w in self._workers}, escaped)
 
 
 class _Worker:
@@ -664,38 +614,3 @@ def _describe(failed: list[_Worker]) -> list[WorkerFailure]:
     for w in failed:
         w.stderr.join(max(0.0, deadline - time.monotonic()))
     return sorted((w.failure() for w in failed), key=lambda f: (f.timestamp_ms, f.global_rank))
-
-
-def _reap_orphans(procs: list[psutil.Process], timeout: float = 5.0) -> None:
-    """Reap those of ``procs`` that are this process's children (SIGKILLed orphans), waiting
-    up to ``timeout`` seconds in all; only these pids are waited for, never any child."""
-    me = os.getpid()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            if p.ppid() != me:
-                continue
-        except psutil.Error:
-            continue
-        while True:
-            try:
-                pid, _ = os.waitpid(p.pid, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid or time.monotonic() > deadline:
-                break
-            time.sleep(_POLL_S)
-
-
-def _quiet_killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except OSError:  # gone (ESRCH) or not ours (EPERM)
-        pass
-
-
-def _quiet_signal(proc: psutil.Process, signum: int) -> None:
-    try:
-        proc.send_signal(signum)  # checks the pid was not reused
-    except psutil.Error:
-        pass

@@ -82,6 +82,7 @@ from meshrun.rendezvous.api import (
     decode_members,
     encode_members,
 )
+from meshrun.rendezvous.restarts import Cause, Restart, cause_of, joining, node_lost
 from meshrun.rendezvous.store import Store, Versioned
 
 log = logging.getLogger("meshrun.rendezvous")
@@ -101,6 +102,17 @@ class JobState:
     restarts: int = 0
     status: str = RUNNING
     reason: str = ""
+    #: why the last round ended (`Cause`'s value; "" before the first restart), and its
+    #: facts: the lost node's id, the number of nodes waiting to join
+    cause: str = ""
+    node: str = ""
+    joining: int = 0
+
+    def restart(self) -> Restart:
+        """The restart that ended the previous round, as a node that was not told learns it."""
+        cause = Cause(self.cause) if self.cause in _CAUSES else Cause.MOVED_ON
+        text = self.reason or f"round {self.round} started"
+        return Restart(text, cause, node=self.node, joining=self.joining)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -158,9 +170,14 @@ def next_state(state: JobState, *, failure: bool, reason: str, max_restarts: int
     return replace(state, round=state.round + 1, restarts=state.restarts + 1, reason=reason)
 
 
-def _finished(state: JobState) -> str:
+def _finished(state: JobState) -> Restart:
     """The reason a node whose round still runs leaves it: the job succeeded without it."""
-    return f"the job finished on the other nodes ({state.reason or 'succeeded'})"
+    return Restart(
+        f"the job finished on the other nodes ({state.reason or 'succeeded'})", Cause.FINISHED
+    )
+
+
+_CAUSES = frozenset(c.value for c in Cause)
 
 
 # -- keys (the layout in the module docstring) --------------------------------------------------
@@ -412,7 +429,7 @@ class Rendezvous:
                 self._watch_running_round(state.round)
                 lost = self._heartbeat.lost_neighbour
                 if lost is not None:
-                    self.request_restart(f"node {lost} lost", failure=False, round=state.round)
+                    self.request_restart(node_lost(lost), round=state.round)
                     continue
                 self.store.wait_for_change(
                     state_key(self._prefix), version, min(_IDLE_WAIT, s.keep_alive_interval)
@@ -591,7 +608,7 @@ class Rendezvous:
                 return item
             self._heartbeat.check()
             if self._heartbeat.lost_neighbour is not None:
-                self.request_restart(f"node {rank0} lost", failure=False, round=target)
+                self.request_restart(node_lost(rank0), round=target)
                 return None
             if self.read_state()[0].round != target:
                 return None
@@ -601,12 +618,13 @@ class Rendezvous:
         )
 
     # -- while workers run ---------------------------------------------------------------------
-    def poll(self) -> str | None:
+    def poll(self) -> Restart | None:
         """Check for a reason to leave the running round; called once per monitor tick.
 
-        Returns a reason string when the group must restart into a new round (another node
-        moved the round on, a node was lost, nodes wait to join), else None. Raises `JobFailed`
-        when another node ended the job, `StoreLostError` when the store is gone.
+        Returns the `Restart` (its text and its cause) when the group must restart into a new
+        round (another node moved the round on, a node was lost, nodes wait to join), else
+        None. Raises `JobFailed` when another node ended the job, `StoreLostError` when the
+        store is gone.
         """
         info = self.info
         self._heartbeat.check()
@@ -615,43 +633,51 @@ class Rendezvous:
             return _finished(state)
         self._raise_if_ended(state)
         if state.round != info.round:
-            return state.reason or f"round {state.round} started"
+            return state.restart()
         lost = self._lost_member()
         if lost is not None:
-            return self.request_restart(f"node {lost} lost", failure=False)
+            return self.request_restart(node_lost(lost))
         if info.node_rank == 0:
             self._sweep(info.round - 2)
         if info.num_nodes < self.settings.max_nodes:
             waiting = self.store.count(self._nodes(info.round + 1))
             if waiting > 0:
-                reason = f"{waiting} node(s) waiting to join"
-                return self.request_restart(reason, failure=False)
+                return self.request_restart(joining(waiting))
         return None
 
-    def request_restart(self, reason: str, *, failure: bool, round: int | None = None) -> str:
+    def request_restart(
+        self, reason: str, *, failure: bool | None = None, round: int | None = None
+    ) -> Restart:
         """Move the job past the current round (one compare-and-set; retried on races).
 
         With ``failure=True`` one restart of the job's budget is spent, or, when it is spent,
         the job is marked failed and `JobFailed` is raised. If another node already moved the
         round on, or the job already succeeded, nothing more is spent. Returns the reason of the
         restart. ``round`` defaults to the round this node is a member of (a waiting node names
-        the running round).
+        the running round). ``reason`` is a `Restart` (its cause decides ``failure`` when that is
+        not given and is stored with the state, so every node learns it), or plain text.
         """
         round = self.info.round if round is None else round
+        cause = cause_of(reason, failure=bool(failure))
+        failure = cause.spent if failure is None else failure
+        restart = Restart(str(reason), cause, node=getattr(reason, "node", ""),
+                          joining=getattr(reason, "joining", 0))  # fmt: skip
         while True:
             state, version = self.read_state()
             if state.status == SUCCEEDED:
                 return _finished(state)
             self._raise_if_ended(state)
             if state.round != round:
-                return state.reason
+                return state.restart()
             new = next_state(
-                state, failure=failure, reason=reason, max_restarts=self.settings.max_restarts
+                state, failure=failure, reason=restart, max_restarts=self.settings.max_restarts
             )
+            new = replace(new, reason=str(restart), cause=cause.value, node=restart.node,
+                          joining=restart.joining)  # fmt: skip
             ok, _ = self.store.compare_and_set(state_key(self._prefix), version, new.to_json())
             if ok:
                 self._raise_if_ended(new)
-                return reason
+                return restart
 
     def stacks_request(self) -> str | None:
         """The id of the latest live-stacks request (``meshrun stacks``), or None. One read."""
@@ -728,7 +754,7 @@ class Rendezvous:
         # TCPStore's multi-get blocks on missing keys: read the present ones one by one.
         return [item for item in (self.store.get(k) for k in keys) if item is not None]
 
-    def exit_barrier(self, tick: float) -> str | None:
+    def exit_barrier(self, tick: float) -> Restart | None:
         """Wait until every member's workers succeeded in this round.
 
         Returns None when the whole job succeeded, or the reason to restart when the round was
@@ -760,10 +786,10 @@ class Rendezvous:
                 return None
             self._raise_if_ended(state)
             if state.round != info.round:
-                return state.reason
+                return state.restart()
             lost = self._lost_member()
             if lost is not None:
-                reason = self.request_restart(f"node {lost} lost", failure=False)
+                reason = self.request_restart(node_lost(lost))
                 return None if self.read_state()[0].status == SUCCEEDED else reason
 
     def _all_succeeded(self, warn: bool = True) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from meshrun import exit_guard
-from meshrun.agent.agent import WORKER_SITE
+from meshrun.agent.worker_env import WORKER_SITE
 
 SCRIPTS = Path(__file__).parent / "e2e_scripts"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.agent.agent import WORKER_SITE
+from meshrun.agent.worker_env import WORKER_SITE
 
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"
 ENV_DUMP = str(SCRIPTS / "env_dump.py")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.agent.logs import Console, LogFile
+from meshrun.agent.console import Console
+from meshrun.agent.logs import LogFile
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "e2e_scripts"

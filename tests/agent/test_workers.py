@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from support import alive
 
-from meshrun.agent.logs import Console, LinePrefixer, StderrTail
+from meshrun.agent.console import Console, LinePrefixer
+from meshrun.agent.logs import StderrTail
 from meshrun.agent.workers import WorkerGroup, WorkerSpec, WorkerState
 
 pytestmark = pytest.mark.timeout(30)
