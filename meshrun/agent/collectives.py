@@ -416,11 +416,14 @@ def describe_recent(record: Record | None, n: int = 3) -> str:
 
 @dataclass(frozen=True)
 class Disagreement:
-    """The first point where the ranks' collectives disagree: one line to print, and the ranks
-    that most likely caused it (the smaller side of a mismatch, or the ranks behind)."""
+    """The first point where the ranks' collectives disagree: one line to print, the ranks
+    that most likely caused it (the smaller side of a mismatch, or the ranks behind), and
+    which: ``behind`` when they never reached the call the others wait in, else a mismatch
+    (different calls at the same call number)."""
 
     line: str
     culprits: tuple[int, ...]
+    behind: bool = False
 
 
 def first_disagreement(
@@ -517,7 +520,7 @@ def _behind(
             f"(ranks {ranges(group_ranks)}), where {_ranks_word(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'}{where}; "
             f"last call there: {'; '.join(lasts)}")  # fmt: skip
-    return Disagreement(line, tuple(behind))
+    return Disagreement(line, tuple(behind), behind=True)
 
 
 # torch's fingerprint check (TORCH_DISTRIBUTED_DEBUG=DETAIL, meshrun --desync-check) raises

@@ -8,7 +8,7 @@ memory. So a user always sees *something* useful, never torch's ``error_file: <N
 
 "Which failure came first" uses the time at which the agent observed each exit, in
 milliseconds on the agent's own clock (``time.time()``), ties broken by global rank. Across
-nodes this assumes NTP-synced hosts (DESIGN §3.3). This mirrors torch's
+nodes this assumes NTP-synced hosts (docs/design.md §3.3). This mirrors torch's
 ``ChildFailedError.get_first_failure`` (which uses the worker-written timestamp, in seconds,
 and so cannot rank workers killed by a signal).
 
@@ -32,13 +32,13 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from meshrun.agent.verdicts import Place, culprits, disagreement
+
 __all__ = [
     "PUBLISHED_MAX_BYTES",
     "WorkerFailure",
     "cut_middle",
-    "culprits",
     "desync_report",
-    "disagreement",
     "format_places",
     "format_report",
     "read_error_file",
@@ -247,38 +247,6 @@ def root_cause(failures: Iterable[WorkerFailure]) -> WorkerFailure:
     return own[0]
 
 
-def culprits(failures: Iterable[WorkerFailure]) -> tuple[list[int], str]:
-    """The global ranks that most likely caused the failure, and why: the ranks outside any
-    collective while others wait, else those behind in collectives issued, else those in a
-    different collective (`meshrun.agent.stacks.attribute`), judged over every record that
-    says where its rank was. A rank that failed inside a collective (its traceback has a
-    ``torch.distributed`` collective frame) counts as waiting."""
-    from meshrun.agent.stacks import Whereabouts, attribute, classify, traceback_frames
-
-    failures = list(failures)
-    places: dict[int, tuple[Whereabouts, int | None]] = {}
-    for f in failures:
-        if f.state:
-            where = Whereabouts(f.state, f.collective, f.at)
-        elif f.source in ("error.json", "stderr"):
-            where = classify(traceback_frames(f.traceback))
-            if where.state != "waiting":
-                continue  # it failed in its own code: a failure, not a place
-        else:
-            continue
-        places.setdefault(f.global_rank, (where, f.collectives if f.collectives >= 0 else None))
-    blamed, why = attribute(places)
-    if blamed and why.startswith("outside"):
-        return blamed, why
-    found = disagreement(failures)
-    if found is None or not found.culprits or list(found.culprits) == blamed:
-        return blamed, why
-    # the record's call numbers beat meshrun.parallel's counts and the stacks' op names
-    if "never reached" in found.line:
-        return list(found.culprits), "behind the others in collectives issued"
-    return list(found.culprits), "in a different collective from the others"
-
-
 def desync_report(failures: Iterable[WorkerFailure]) -> str:
     """The calls the ranks made when torch's fingerprint check (``--desync-check``) failed,
     each with its call site, in one line; "" when no rank failed that check."""
@@ -296,29 +264,6 @@ def desync_report(failures: Iterable[WorkerFailure]) -> str:
         if at and not at.startswith("unknown"):
             sites[rank] = at.split(" (inside ")[0]
     return desync_line(calls, sites) if calls else ""
-
-
-def disagreement(failures: Iterable[WorkerFailure]):
-    """The first collective the ranks of ``failures`` disagree on, from their records
-    (`meshrun.agent.collectives.first_disagreement`), or None. The place of a rank that waits
-    (or died) inside a collective (its stack's innermost own frame, or its traceback's) is
-    shown beside its latest call."""
-    from meshrun.agent.collectives import first_disagreement, from_summary
-    from meshrun.agent.stacks import Whereabouts, classify, traceback_frames
-
-    records, sites, died = {}, {}, set()
-    for f in failures:
-        record = from_summary(f.calls)
-        if record is None or f.global_rank in records:
-            continue
-        records[f.global_rank] = record
-        where = Whereabouts(f.state, f.collective, f.at) if f.state else (
-            classify(traceback_frames(f.traceback)))  # fmt: skip
-        if where.state == "waiting" and where.at:
-            sites[f.global_rank] = where.at.split(" (inside ")[0]
-        elif not f.stopped and f.source != "stack":  # a signal, or its own code's error
-            died.add(f.global_rank)
-    return first_disagreement(records, sites, died) if len(records) > 1 else None
 
 
 def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: job failed") -> str:
@@ -441,9 +386,9 @@ def format_places(records: Sequence[WorkerFailure], blamed: Sequence[int] = ()) 
 def describe_place(f: WorkerFailure) -> str:
     """Where a rank was, in a few words: "waiting in barrier", "running, outside any
     collective", or "place unknown"."""
-    if f.state == "waiting":
+    if f.state == Place.WAITING:
         return f"waiting in {f.collective or 'a collective'}"
-    if f.state == "running":
+    if f.state == Place.RUNNING:
         return "running, outside any collective"
     return "place unknown"
 

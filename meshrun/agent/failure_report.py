@@ -28,17 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from meshrun.agent.errors import (
-    WorkerFailure,
-    culprits,
-    describe_place,
-    disagreement,
-    format_report,
-    root_cause,
-)
+from meshrun.agent.errors import WorkerFailure, describe_place, format_report, root_cause
 from meshrun.agent.hang import Hang
 from meshrun.agent.say import first_line, say
 from meshrun.agent.signals import Signals, Stopped, signal_name
+from meshrun.agent.verdicts import culprits, disagreement, waiting_ranks
 from meshrun.agent.workers import GroupResult
 from meshrun.exits import EXIT_HUNG
 from meshrun.rendezvous import RendezvousError, RendezvousInfo, RendezvousSettings
@@ -200,9 +194,7 @@ class FailureReport:
         blamed, why = culprits(records)
         first = root_cause(records)
         if blamed:
-            waiting = sorted(
-                f.global_rank for f in records if f.state == "waiting" and f.global_rank not in blamed
-            )
+            waiting = waiting_ranks(records, but=blamed)
             by_rank = {f.global_rank: f for f in records}
             named = "; ".join(f"rank {g} at {by_rank[g].at}" for g in blamed)
             say(f"hang: likely cause {named} ({why}); waiting: ranks {_ranges(waiting)}")
@@ -216,7 +208,7 @@ class FailureReport:
         self.stacks_taken = True
         self._emit(
             "hang", round=info.round, culprits=blamed or [first.global_rank],
-            waiting=sorted(f.global_rank for f in records if f.state == "waiting"),
+            waiting=waiting_ranks(records),
         )  # fmt: skip
         rdzv.publish_failures([self.record(f, info.node_rank) for f in records])
         culprit = f"rank {blamed[0]}" if blamed else f"rank {first.global_rank}"

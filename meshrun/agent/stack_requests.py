@@ -30,6 +30,7 @@ from meshrun.agent.stacks import (
     collect_stacks,
     traceback_frames,
 )
+from meshrun.agent.verdicts import Place
 from meshrun.agent.workers import WorkerGroup
 
 __all__ = ["STACKS_POLL_S", "STACKS_TIMEOUT_S", "StackRequests", "placed_by_last_words",
@@ -96,12 +97,12 @@ def placed_by_last_words(f: WorkerFailure, stderr_tail: str) -> WorkerFailure:
     was exiting) but whose last stderr lines (``stderr_tail``) are a Python traceback (it was
     raising when the stop came: its own gloo timeout, torch's desync check) is placed by that
     traceback instead; any other record is returned as it is."""
-    if f.state not in ("unknown", ""):
+    if f.state not in (Place.UNKNOWN, ""):
         return f
     if "Traceback (most recent call last)" not in stderr_tail:
         return f
     where = classify(traceback_frames(stderr_tail))
-    if where.state == "unknown":
+    if where.state == Place.UNKNOWN:
         return f
     return replace(f, traceback=stderr_tail, source="stderr", state=where.state,
                    collective=where.collective, at=where.at,

@@ -12,7 +12,7 @@ any stop, the agent takes every running worker's stack, in parallel and bounded 
   stack: the main thread has a frame of ``torch.distributed`` in a collective function
   (``all_reduce``, ``barrier``, ``send``, ...; plain torch scripts are classified this way);
 - **running**: anywhere else: its own code, a data loader, I/O. A rank that runs while others
-  wait is the likely cause (`attribute`).
+  wait is the likely cause (`meshrun.agent.verdicts.attribute`).
 
 When every rank waits, the culprit is the one *behind* (fewer collectives issued, from the
 counters), or the ranks inside a different collective from the rest (a rank that called
@@ -35,11 +35,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.agent.spawn import popen
+from meshrun.agent.verdicts import Place, Whereabouts
 
 #: The signal faulthandler is armed on in workers: a real-time signal, since SIGUSR1 and
 #: SIGUSR2 belong to the user and the scheduler (SLURM's ``--signal=USR1@N``). Its default
@@ -105,18 +105,6 @@ class Stack:
     path: str
     tool: str
     problem: str = ""
-
-
-@dataclass(frozen=True)
-class Whereabouts:
-    """A rank's place: ``state`` "waiting" (inside a collective), "running" (anywhere else) or
-    "unknown" (no stack, no counters); ``collective`` the collective it waits in (or "");
-    ``at`` the innermost frame of the user's own code (with the innermost frame overall when
-    that is elsewhere)."""
-
-    state: str
-    collective: str
-    at: str
 
 
 def collect_stacks(
@@ -289,48 +277,13 @@ def classify(frames: tuple[Frame, ...], blocked: bool | None = None) -> Whereabo
     at = _user_frame(frames)
     torch_calls = [f for f in frames if _is_torch_distributed(f.file) and f.func in COLLECTIVES]
     if torch_calls:
-        return Whereabouts("waiting", torch_calls[-1].func, at)
+        return Whereabouts(Place.WAITING, torch_calls[-1].func, at)
     if blocked:
         mine = next((f for f in frames if "meshrun/parallel" in f.file), None)
-        return Whereabouts("waiting", mine.func if mine else "a meshrun collective", at)
+        return Whereabouts(Place.WAITING, mine.func if mine else "a meshrun collective", at)
     if not frames:
-        return Whereabouts("unknown", "", at)
-    return Whereabouts("running", "", at)
-
-
-def attribute(ranks: dict[int, tuple[Whereabouts, int | None]]) -> tuple[list[int], str]:
-    """The likely culprits among ``rank -> (whereabouts, collectives issued or None)``, and
-    why, in a few words.
-
-    Rules, in order: the ranks running outside any collective while others wait; else, all
-    waiting, the ranks that issued fewer collectives than the most (behind the wavefront;
-    only when every waiting rank's count is known: ranks of different pipeline stages issue
-    different numbers of collectives by design, so theirs are passed as None);
-    else the ranks waiting in a collective that fewer ranks wait in (a mismatched call). When
-    no rule separates the ranks (all wait in the same collective at the same count, e.g. for
-    a rank on another node), returns ``([], reason)``.
-    """
-    states = {r: w.state for r, (w, _) in ranks.items()}
-    running = sorted(r for r, s in states.items() if s == "running")
-    waiting = sorted(r for r, s in states.items() if s == "waiting")
-    if running and waiting:
-        return running, "outside any collective while the others wait"
-    if not waiting:
-        return [], ""
-    counts = {r: n for r, (_, n) in ranks.items() if r in waiting and n is not None}
-    if len(counts) == len(waiting) and len(set(counts.values())) > 1:
-        most = max(counts.values())
-        behind = sorted(r for r, n in counts.items() if n < most)
-        return behind, f"behind: fewer collectives issued than the others' {most}"
-    ops = Counter(ranks[r][0].collective for r in waiting)
-    if len(ops) > 1:
-        common = ops.most_common(1)[0][0]
-        if list(ops.values()).count(ops[common]) == 1:  # one op is the majority's
-            odd = sorted(r for r in waiting if ranks[r][0].collective != common)
-            return odd, f"in a different collective from the others' {common}"
-        return [], "the ranks wait in different collectives: " + ", ".join(sorted(ops))
-    (op,) = ops
-    return [], f"every rank here waits in {op}: the culprit is elsewhere (another node?)"
+        return Whereabouts(Place.UNKNOWN, "", at)
+    return Whereabouts(Place.RUNNING, "", at)
 
 
 # --- helpers ---------------------------------------------------------------------------------
