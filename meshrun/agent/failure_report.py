@@ -22,7 +22,6 @@ agent with 128+N, and nothing more is published or spent (`meshrun.agent.signals
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -35,24 +34,18 @@ from meshrun.agent.signals import Signals, Stopped, signal_name
 from meshrun.agent.verdicts import culprits, disagreement, waiting_ranks
 from meshrun.agent.workers import GroupResult
 from meshrun.exits import EXIT_HUNG
+from meshrun.peer_lost import connection_closed
 from meshrun.rendezvous import RendezvousError, RendezvousInfo, RendezvousSettings
 from meshrun.rendezvous.restarts import Cause, Restart
 
 # Message + traceback kept per failure in this node's own report (what the store gets is less).
 _LOCAL_REPORT_MAX_BYTES = 32 * 1024
 
-# How a worker's failure reads when a peer process vanished under it: gloo and NCCL report the
-# closed connection; the failure is then a consequence of a membership change, not its cause.
-_PEER_LOST = re.compile(
-    r"Connection (?:closed|reset) by peer|Broken pipe|ECONNRESET|"
-    r"remote process exited|NCCL communicator was aborted",
-    re.IGNORECASE,
-)
-
-
 def peer_lost(failure: WorkerFailure) -> bool:
-    """Whether ``failure``'s message or traceback reads like a peer's connection closing."""
-    return bool(_PEER_LOST.search(failure.message) or _PEER_LOST.search(failure.traceback))
+    """Whether ``failure``'s message or traceback reads like a peer's connection closing
+    (`meshrun.peer_lost.connection_closed`): then it is likely a consequence of a membership
+    change, not its cause."""
+    return connection_closed(failure.message, failure.traceback)
 
 
 class FailureReport:
