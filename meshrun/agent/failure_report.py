@@ -27,11 +27,18 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from meshrun.agent.errors import WorkerFailure, describe_place, format_report, root_cause
+from meshrun.agent.errors import (
+    WorkerFailure,
+    culprits,
+    describe_place,
+    disagreement,
+    format_report,
+    root_cause,
+)
 from meshrun.agent.hang import Hang
 from meshrun.agent.say import first_line, say
 from meshrun.agent.signals import Signals, Stopped, signal_name
-from meshrun.agent.verdicts import culprits, disagreement, waiting_ranks
+from meshrun.agent.verdicts import waiting_ranks
 from meshrun.agent.workers import GroupResult
 from meshrun.exits import EXIT_HUNG
 from meshrun.peer_lost import connection_closed

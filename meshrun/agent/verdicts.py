@@ -12,8 +12,8 @@ stacks are read by `meshrun.agent.stacks.classify`). From every rank's place the
 3. the ranks waiting in a collective that fewer ranks wait in (`Rule.OTHER_COLLECTIVE`).
 
 The collective record (`meshrun.agent.collectives.first_disagreement`) may know better: its
-call numbers beat the counters and the stacks' op names (`culprits`: `Rule.RECORD_BEHIND`,
-`Rule.RECORD_MISMATCH`), except where rule 1 holds.
+call numbers beat the counters and the stacks' op names (`meshrun.agent.errors.culprits`:
+`Rule.RECORD_BEHIND`, `Rule.RECORD_MISMATCH`), except where rule 1 holds.
 
 A verdict is data: `Verdict` (the ranks, and why as a `Why`: the words the report prints with
 the `Rule` that gave them), so the hang line, the failure report, the stopped-rank list and
@@ -26,10 +26,7 @@ import enum
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from meshrun.agent.errors import WorkerFailure
+from typing import NamedTuple
 
 
 class Place(str, enum.Enum):
@@ -132,66 +129,9 @@ def attribute(ranks: dict[int, tuple[Whereabouts, int | None]]) -> Verdict:
     )  # fmt: skip
 
 
-def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
-    """The global ranks that most likely caused the failure, and why: the ranks outside any
-    collective while others wait, else those behind in collectives issued, else those in a
-    different collective (`attribute`), judged over every record that says where its rank
-    was; the collective record's first disagreement (`disagreement`) overrules the last two.
-    A rank that failed inside a collective (its traceback has a ``torch.distributed``
-    collective frame) counts as waiting."""
-    from meshrun.agent.stacks import classify, traceback_frames
-
-    failures = list(failures)
-    places: dict[int, tuple[Whereabouts, int | None]] = {}
-    for f in failures:
-        if f.state:
-            where = Whereabouts(f.state, f.collective, f.at)
-        elif f.source in ("error.json", "stderr"):
-            where = classify(traceback_frames(f.traceback))
-            if where.state != Place.WAITING:
-                continue  # it failed in its own code: a failure, not a place
-        else:
-            continue
-        places.setdefault(f.global_rank, (where, f.collectives if f.collectives >= 0 else None))
-    verdict = attribute(places)
-    if verdict.ranks and verdict.why.rule is Rule.OUTSIDE:
-        return verdict
-    found = disagreement(failures)
-    if found is None or not found.culprits or list(found.culprits) == verdict.ranks:
-        return verdict
-    # the record's call numbers beat meshrun.parallel's counts and the stacks' op names
-    if found.behind:
-        return Verdict(list(found.culprits),
-                       Why("behind the others in collectives issued", Rule.RECORD_BEHIND))
-    return Verdict(list(found.culprits),
-                   Why("in a different collective from the others", Rule.RECORD_MISMATCH))
-
-
-def disagreement(failures: Iterable[WorkerFailure]):
-    """The first collective the ranks of ``failures`` disagree on, from their records
-    (`meshrun.agent.collectives.first_disagreement`), or None. The place of a rank that waits
-    (or died) inside a collective (its stack's innermost own frame, or its traceback's) is
-    shown beside its latest call."""
-    from meshrun.agent.collectives import first_disagreement, from_summary
-    from meshrun.agent.stacks import classify, traceback_frames
-
-    records, sites, died = {}, {}, set()
-    for f in failures:
-        record = from_summary(f.calls)
-        if record is None or f.global_rank in records:
-            continue
-        records[f.global_rank] = record
-        where = Whereabouts(f.state, f.collective, f.at) if f.state else (
-            classify(traceback_frames(f.traceback)))  # fmt: skip
-        if where.state == Place.WAITING and where.at:
-            sites[f.global_rank] = where.at.split(" (inside ")[0]
-        elif not f.stopped and f.source != "stack":  # a signal, or its own code's error
-            died.add(f.global_rank)
-    return first_disagreement(records, sites, died) if len(records) > 1 else None
-
-
-def waiting_ranks(records: Iterable[WorkerFailure], but: Iterable[int] = ()) -> list[int]:
-    """The global ranks of ``records`` that were waiting in a collective, less ``but``."""
+def waiting_ranks(records: Iterable, but: Iterable[int] = ()) -> list[int]:
+    """The global ranks of ``records`` (failure records: ``global_rank``, ``state``) that were
+    waiting in a collective, less ``but``."""
     left_out = set(but)
     return sorted(f.global_rank for f in records
                   if f.state == Place.WAITING and f.global_rank not in left_out)  # fmt: skip

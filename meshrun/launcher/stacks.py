@@ -216,8 +216,7 @@ def _running_workers(path: Path) -> list[tuple[int, dict]]:
 
 
 def _print(title: str, records: list, silent: list[str], timeout: float) -> None:
-    from meshrun.agent.errors import format_places
-    from meshrun.agent.verdicts import culprits, disagreement
+    from meshrun.agent.errors import culprits, disagreement, format_places
 
     records = sorted(records, key=lambda f: f.global_rank)
     blamed, why = culprits(records)

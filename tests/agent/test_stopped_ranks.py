@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from support import free_port, meshrun_env
 
-from meshrun.agent.errors import WorkerFailure, format_report, root_cause
+from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
 from meshrun.agent.stacks import classify, main_thread, traceback_frames
-from meshrun.agent.verdicts import Whereabouts, attribute, culprits
+from meshrun.agent.verdicts import Whereabouts, attribute
 
 SCRIPTS = Path(__file__).parent / "e2e_scripts"
 READER = SCRIPTS / "slow_reader.py"
