@@ -66,7 +66,6 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import re
 import sys
 import threading
 import time
@@ -80,24 +79,16 @@ from torch import nn
 from meshrun import in_place
 from meshrun.parallel._sockets import note_world_sockets, shut_down_world_sockets, tcp_connections
 from meshrun.parallel.fsdp.copies import Copies, NotCovered, _stateful
+from meshrun.peer_lost import PEER_LOST
 
 __all__ = ["Attempt", "peer_lost", "steps"]
 
-#: How a collective fails when a peer process vanished (gloo, NCCL), or when a blocked
-#: peer aborted its groups (see `_teardown`), and how joining a round fails when its store
-#: closed (its agent moved on: another node was lost meanwhile); a timeout may be a peer
-#: that vanished without a closed connection (a cut cable).
-PEER_LOST = re.compile(
-    r"Connection (?:closed|reset) by peer|Connection was likely closed|Failed to recv|"
-    r"Broken pipe|ECONNRESET|remote process exited|communicator was aborted|Timed out|"
-    r"aborted|Socket closed|EOF",
-    re.IGNORECASE,
-)
-
 
 def peer_lost(error: BaseException) -> bool:
-    """Whether ``error`` reads like a collective that failed because a peer process vanished
-    (`PEER_LOST` in its message or in the message of its cause)."""
+    """Whether ``error`` reads like a collective that failed because a peer process vanished,
+    or a blocked peer aborted its groups (see `_teardown`), or joining a round failed as its
+    store closed (its agent moved on): `meshrun.peer_lost.PEER_LOST` in its message or in the
+    message of its cause (a timeout counts: a cut cable closes no connection)."""
     while error is not None:
         if isinstance(error, RuntimeError) and PEER_LOST.search(str(error)):
             return True
