@@ -1,4 +1,4 @@
-"""meshrun's exit codes (DESIGN.md §3.4) and its configuration error, in one leaf module.
+"""meshrun's exit codes (docs/design.md §3.4) and its configuration error, in one leaf module.
 
 Every layer ends with one of these codes: the agent (a run's outcome), the launcher (bad
 input), ``meshrun status`` and ``meshrun stacks``. The module imports nothing, so the launcher,

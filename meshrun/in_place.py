@@ -1,4 +1,4 @@
-"""The local channel between an agent and its workers for in-place recovery (DESIGN.md §3.8).
+"""The local channel between an agent and its workers for in-place recovery (docs/design.md §3.8).
 
 A worker that can change world without being restarted (it runs `meshrun.parallel.elastic`)
 says so; on a lost node the agent then completes the next round without stopping it and hands
@@ -39,7 +39,7 @@ from pathlib import Path
 #: The worker's channel directory (its log directory), set by the agent for every worker.
 CHANNEL_ENV = "MESHRUN_IN_PLACE_DIR"
 READY, OFFER, CONFIRMED = "ready", "offer", "confirmed"
-#: The variables an offer carries: those of the torchrun contract (DESIGN.md §3.1) that a new
+#: The variables an offer carries: those of the torchrun contract (docs/design.md §3.1) that a new
 #: round changes; the rest of the worker's environment stays what it was.
 ROUND_ENV = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

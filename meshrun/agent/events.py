@@ -7,7 +7,7 @@ every node, merges them by time and draws the job (`meshrun.launcher.timeline`).
     {"t": 1718000000.123, "host": "node7", "pid": 4242, "kind": "worker_exit", "round": 0, ...}
 
 ``t`` is wall-clock seconds (``time.time()``: the nodes' lines are merged by it, so hosts are
-assumed NTP-synced, as the failure report assumes, DESIGN.md §3.3); ``host`` and ``pid`` are
+assumed NTP-synced, as the failure report assumes, docs/design.md §3.3); ``host`` and ``pid`` are
 the agent's, so two agents on one host stay apart. The kinds and their fields (rank = global
 rank; a field that does not apply is left out, never written as null):
 
@@ -43,7 +43,7 @@ local file system, and nothing is buffered in the agent: a line is on disk (in t
 as soon as `EventLog.emit` returns, even if the agent is killed the next moment. String
 fields are cut at `MAX_FIELD_CHARS`. A write error (a full disk: ENOSPC, EDQUOT, EIO...) is
 said once, through ``on_error``, and the log is dropped: training never stops for it
-(DESIGN.md §3.6, as for the per-rank log files).
+(docs/design.md §3.6, as for the per-rank log files).
 
 ``--event-log-handler`` names torchrun's event-log plugin (``null``, the default, or
 ``console``). meshrun writes the JSON-lines file whatever it says (it is cheap: a dozen lines

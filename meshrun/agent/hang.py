@@ -22,7 +22,7 @@ from pathlib import Path
 from meshrun.agent.stacks import STACK_SIGNAL
 
 # The progress file: five uint64 slots (meshrun.parallel.heartbeat's PROGRESS_BYTES; the agent
-# does not import the parallel library, DESIGN.md §1).
+# does not import the parallel library, docs/design.md §1).
 PROGRESS_BYTES = 40
 _SLOTS = struct.Struct("<5Q")
 

@@ -5,7 +5,7 @@ Why a separate process
     Ctrl-C or a group kill aimed at the agent does not reach the workers directly; the agent
     forwards signals itself. If the agent dies without doing so (kill -9, an OOM kill, a crash
     in native code) the workers would be orphans holding GPUs and ports. ``PR_SET_PDEATHSIG``
-    does not close that hole (DESIGN §3.5): it covers only the direct child, it fires when the
+    does not close that hole (docs/design.md §3.5): it covers only the direct child, it fires when the
     *thread* that forked the child exits rather than the process, and setting it needs a
     ``preexec_fn``, which is unsafe in a threaded agent. So cleanup does not rest on it.
 

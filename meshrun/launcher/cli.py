@@ -29,7 +29,7 @@ from meshrun.launcher.subcommands import SUBCOMMANDS
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``meshrun`` with ``argv`` (default ``sys.argv[1:]``); never returns.
 
-    Exits with the agent's exit code (DESIGN.md §3.4), 0 after ``--help``/``--version``, and
+    Exits with the agent's exit code (docs/design.md §3.4), 0 after ``--help``/``--version``, and
     2 after one ``meshrun: error: ...`` line on stderr for bad input.
     """
     args = list(sys.argv[1:] if argv is None else argv)

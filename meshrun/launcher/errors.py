@@ -4,7 +4,7 @@ Every problem found while turning flags, ``PET_*`` variables and a config file i
 `LaunchConfig` is raised as `ConfigError`, whose text reads
 ``<where>: <problem>; <fix>``, e.g. ``--nnodes 3:2: MIN must not exceed MAX (got MIN=3,
 MAX=2); give N or MIN:MAX with 1 <= MIN <= MAX``. ``meshrun.launcher.cli.main`` prints it as
-``meshrun: error: <text>`` on one line of stderr and exits with code 2 (DESIGN.md §3.4) before
+``meshrun: error: <text>`` on one line of stderr and exits with code 2 (docs/design.md §3.4) before
 anything is started.
 """
 

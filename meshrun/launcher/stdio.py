@@ -4,7 +4,7 @@
 EPIPE (Python ignores SIGPIPE, so it is a ``BrokenPipeError``), and an agent line or the
 failure report would crash the agent, and with it the job, before or while its workers run. A
 disk full under ``meshrun ... > out.txt`` (ENOSPC) or a hung-up terminal (EIO) does the same.
-The console is best effort (DESIGN.md §3.6): the job and its log files must not depend on it.
+The console is best effort (docs/design.md §3.6): the job and its log files must not depend on it.
 
 `survive_closed_console` puts ``sys.stdout`` and ``sys.stderr`` on a raw writer that, after
 the first such error, discards what is written to that stream (the usual fix is to point the

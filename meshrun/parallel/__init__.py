@@ -1,4 +1,4 @@
-"""meshrun.parallel: the worker-side library (DESIGN.md §4).
+"""meshrun.parallel: the worker-side library (docs/design.md §4).
 
 Imported by training scripts, never by the launcher. Each strategy is a function applied to a
 model with an explicit process group or mesh; there are no module-level global groups.

@@ -1,7 +1,7 @@
 """`init()`: join the process group that the launcher described, and say where this rank runs.
 
 A worker started by ``meshrun`` or ``torchrun`` finds the torchrun environment contract
-(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; DESIGN.md §3.1). `init()` reads it,
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; docs/design.md §3.1). `init()` reads it,
 picks the backend (nccl when CUDA is available, gloo otherwise), binds the CUDA device from
 LOCAL_RANK, calls ``torch.distributed.init_process_group`` and returns a small frozen
 `ParallelContext`. Under plain ``python`` (none of the rank variables set) it forms a world of

@@ -5,7 +5,7 @@ in, on a node rank for each (0..N-1, contiguous), and on where the workers' boot
 lives. `RendezvousInfo` is one node's view of one completed round; every member of a round sees
 the same membership (the protocol's invariant, tested in ``tests/rendezvous``).
 
-Errors map to the launcher's exit codes (DESIGN.md §3.4): every `RendezvousError` is exit 3.
+Errors map to the launcher's exit codes (docs/design.md §3.4): every `RendezvousError` is exit 3.
 """
 
 from __future__ import annotations

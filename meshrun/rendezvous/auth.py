@@ -1,4 +1,4 @@
-"""Shared-secret authentication of every rendezvous value (DESIGN.md §3.7).
+"""Shared-secret authentication of every rendezvous value (docs/design.md §3.7).
 
 A TCPStore has no access control: any process that reaches its port can read and write every
 key. With a shared secret (``--rdzv-conf secret_file=PATH``, or the environment variable

@@ -1,7 +1,7 @@
 """The store contract on torch's TCPStore (the ``c10d`` backend), hosted by one agent.
 
 TCPStore has no versions and no change notification: ``wait`` only waits for a key to exist,
-and a blocked call holds its connection. So (DESIGN.md §3.2):
+and a blocked call holds its connection. So (docs/design.md §3.2):
 
 - a versioned key ``k`` stores ``b"<version>|<writer>|<payload>"``; compare-and-set is
   TCPStore's native ``compare_set`` on the whole stored bytes (the writer id makes two writers
@@ -130,7 +130,7 @@ def bind_address(host: str) -> str | None:
     """The address of this host that ``host`` names: ``host`` itself when it is a literal
     address of this host (or a loopback one), else the first address the name resolves to
     here that is one; None when there is none. A listening socket is bound to it, never to the
-    wildcard (DESIGN.md §3.7)."""
+    wildcard (docs/design.md §3.7)."""
     mine = local_addresses()
     try:
         candidates = [str(ipaddress.ip_address(host.strip("[]")))]

@@ -80,7 +80,7 @@ class Liveness(abc.ABC):
 
 
 class Store(abc.ABC):
-    """The key/value contract of DESIGN.md §3.2. Keys are str, values bytes.
+    """The key/value contract of docs/design.md §3.2. Keys are str, values bytes.
 
     Every method may raise `meshrun.rendezvous.api.StoreLostError` when the store is gone.
     ``serves_others`` is True where this process hosts the store for other nodes (the c10d

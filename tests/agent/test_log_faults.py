@@ -1,4 +1,4 @@
-"""Output under faults (DESIGN.md §3.6, issue 16): the log files are complete, the console is
+"""Output under faults (docs/design.md §3.6, issue 16): the log files are complete, the console is
 best effort, and neither a full log disk nor a console that cannot keep up (or is closed)
 reaches a worker or the agent.
 

@@ -1,4 +1,4 @@
-"""End to end: what meshrun keeps from others on the same machine (DESIGN.md §3.7).
+"""End to end: what meshrun keeps from others on the same machine (docs/design.md §3.7).
 
 Secrets meshrun reads (``PET_RDZV_CONF``, which may hold an etcd ``password=``; meshrun's own
 ``MESHRUN_*SECRET*``/``*PASSWORD*``/``*TOKEN*`` variables) never reach a worker's environment

@@ -1,4 +1,4 @@
-"""In-place recovery (DESIGN.md §3.8, issue 22): a node dies and the survivors keep their
+"""In-place recovery (docs/design.md §3.8, issue 22): a node dies and the survivors keep their
 processes.
 
 Two `meshrun` agents on 127.0.0.1, c10d (the first hosts the store and survives): the

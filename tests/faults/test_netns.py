@@ -1,7 +1,7 @@
 """Hosts as network namespaces: a 2-node c10d job across a veth link, then the link is cut.
 
 Node A (namespace A, 10.213.7.1) hosts the c10d store and survives; node B (10.213.7.2) is
-cut off (its veth end goes down). Expected (DESIGN.md §3.2, docs/rendezvous.md):
+cut off (its veth end goes down). Expected (docs/design.md §3.2, docs/rendezvous.md):
 A sees B lost within about keep-alive x attempts and continues alone in a new round, spending
 no restart; B, whose store is gone, exits 3 with a line saying so, within about read_timeout.
 The scenario runs once (module fixture `cut_job`); the tests judge its two sides. The

@@ -6,7 +6,7 @@ namespace C, which is not part of the job (fixture `netns_trio`). While the job'
 (they met through node rank 0's workers' store and hold a gloo group), C tries every TCP port
 listening in A and B at their outside addresses: each connection is refused, because meshrun
 binds its stores to the job's addresses (the endpoint's, the advertised MASTER_ADDR), never the
-wildcard (DESIGN.md §3.7). A control listener of the test's own on A's wildcard shows that C
+wildcard (docs/design.md §3.7). A control listener of the test's own on A's wildcard shows that C
 does reach A. The job then finishes (exit 0 on both nodes).
 """
 

@@ -1,4 +1,4 @@
-"""Bad secrets are one line and exit 2, before anything starts (DESIGN.md §3.4, §3.7): a
+"""Bad secrets are one line and exit 2, before anything starts (docs/design.md §3.4, §3.7): a
 ``secret=`` value on the command line, a missing, empty or loose secret file, an etcd
 password over plain http without ``insecure=true``; for ``meshrun`` and ``meshrun status``."""
 
