@@ -38,7 +38,7 @@ lint: install
 COMPAT_TESTS := tests/parallel/test_ddp.py tests/parallel/test_fsdp.py tests/parallel/test_tp.py \
 	tests/parallel/test_pp.py tests/parallel/test_checkpoint.py tests/agent/test_launch.py \
 	tests/agent/test_hang.py tests/rendezvous/test_c10d_agents.py \
-	tests/launcher/test_torchrun_parity.py
+	tests/launcher/test_torchrun_parity.py tests/test_torch_door.py tests/test_private_torch.py
 compat:
 	@test -n "$(TORCH)" || { echo "give TORCH=<version>, e.g. make compat TORCH=2.14.1"; exit 2; }
 	$(PY) -m venv .venv-torch$(TORCH)

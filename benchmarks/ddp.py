@@ -124,7 +124,7 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()
     if record:  # as meshrun's worker site starts it: the ring before the group, then the copy
-        from meshrun.agent.collectives import RING_ENTRIES, Recorder
+        from meshrun.agent.collective_record import RING_ENTRIES, Recorder
 
         os.environ["TORCH_FR_BUFFER_SIZE"] = str(RING_ENTRIES)
         Recorder(str(Path(out_dir) / f"collectives{rank}.json")).start()

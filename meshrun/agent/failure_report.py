@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from meshrun.agent.collective_record import ranges
 from meshrun.agent.errors import (
     WorkerFailure,
     culprits,
@@ -197,7 +198,7 @@ class FailureReport:
             waiting = waiting_ranks(records, but=blamed)
             by_rank = {f.global_rank: f for f in records}
             named = "; ".join(f"rank {g} at {by_rank[g].at}" for g in blamed)
-            say(f"hang: likely cause {named} ({why}); waiting: ranks {_ranges(waiting)}")
+            say(f"hang: likely cause {named} ({why}); waiting: ranks {ranges(waiting, sep=', ') or 'none'}")
         else:
             say(f"rank {first.global_rank} {first.message}" + (f" ({why})" if why else ""))
         found = disagreement(records)
@@ -261,14 +262,3 @@ def place(f: WorkerFailure) -> str:
     """Where a stopped rank was, in one line: "waiting in barrier at x.py:3 in f; stack: P"."""
     found = f"; stack: {f.stack_path}" if f.stack_path else f" ({f.stack_problem})"
     return f"{describe_place(f)} at {f.at}{found}"
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> "0-2, 5"."""
-    out: list[str] = []
-    for r in sorted(ranks):
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
-        else:
-            out.append(str(r))
-    return ", ".join(out) or "none"

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from meshrun._torch import flatten_dense_tensors, unflatten_dense_tensors
 from meshrun.parallel.heartbeat import blocked, note_issued
 
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -81,11 +81,11 @@ def broadcast_from_first_(tensors: list[torch.Tensor], group, swap_data: bool = 
         by_key.setdefault((t.dtype, t.device), []).append(t)
     is_src = dist.get_rank(group) == 0
     for same in by_key.values():
-        flat = _flatten_dense_tensors([t.detach() for t in same])
+        flat = flatten_dense_tensors([t.detach() for t in same])
         dist.broadcast(flat, group=group, group_src=0)
         if is_src:
             continue
-        for t, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+        for t, value in zip(same, unflatten_dense_tensors(flat, same), strict=True):
             if swap_data:
                 t.data = value
             else:

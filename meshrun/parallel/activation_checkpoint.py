@@ -45,14 +45,13 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from meshrun import _torch
+
 aten = torch.ops.aten
 # the ops whose outputs "selective" keeps: matrix multiplies and attention
 SAVED_OPS = frozenset(op for op in (
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    getattr(aten, "_scaled_dot_product_flash_attention", None),
-    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-    getattr(aten, "_scaled_dot_product_efficient_attention", None),
-    getattr(aten, "_scaled_dot_product_cudnn_attention", None),
+    *_torch.attention_ops(),
 ) if op is not None)
 
 

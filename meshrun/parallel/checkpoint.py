@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -72,6 +71,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from meshrun._torch import flatten_state_dict
 from meshrun.parallel import atomic_dir, placement
 from meshrun.parallel.atomic_dir import SaveInProgress
 from meshrun.parallel.heartbeat import busy

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshrun import exit_guard
+from meshrun import _torch, exit_guard
 from meshrun.parallel.data_check import watch_set_epoch
 from meshrun.parallel.heartbeat import register_stack_dump
 
@@ -136,7 +136,7 @@ def rejoin() -> ParallelContext:
     from meshrun.parallel._sockets import note_world_sockets, tcp_connections
 
     before = tcp_connections()
-    groups = dist.distributed_c10d._world.group_count
+    groups = _torch.group_count()
     try:
         dist.init_process_group(_context.backend, init_method="env://",
                                 **_timeout_kwargs(_timeout))
@@ -144,7 +144,7 @@ def rejoin() -> ParallelContext:
         # torch counted the group although it never formed: a fresh process joining the
         # next world would name its groups from 0 and this one from 1, and they would wait
         # for each other's keys forever (torch resets the count only in destroy)
-        dist.distributed_c10d._world.group_count = groups
+        _torch.set_group_count(groups)
         raise
     note_world_sockets(before)
     _context = ParallelContext(rank, local_rank, world_size, _context.device, _context.backend)

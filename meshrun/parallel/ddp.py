@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun import _torch
 from meshrun.parallel import comm_hooks
 from meshrun.parallel._comm import broadcast_from_first_, group_device, launched, wait
 from meshrun.parallel.data_check import check_first_input
@@ -348,7 +349,7 @@ class _Reducer:
                 groups, self.pending_groups = self.pending_groups, None
                 self._build_buckets(groups)
             self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            _torch.queue_backward_callback(self._finalize)
         if not self.rebuilt and i not in self.arrival_order:
             self.arrival_order.append(i)
         if not self.sync:

@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun import in_place
+from meshrun import _torch, in_place
 from meshrun.parallel._sockets import note_world_sockets, shut_down_world_sockets, tcp_connections
 from meshrun.parallel.fsdp.copies import Copies, NotCovered, _stateful
 from meshrun.peer_lost import PEER_LOST
@@ -415,7 +415,7 @@ def _teardown(state: MutableMapping, error: BaseException | None = None) -> None
             release(value)
     release_all()
     if dist.is_initialized():
-        for group in list(dist.distributed_c10d._world.pg_map):  # every group of this process
+        for group in _torch.all_process_groups():  # every group of this process
             try:
                 group.abort()
             except (RuntimeError, NotImplementedError, AttributeError):

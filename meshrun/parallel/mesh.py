@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshrun import _torch
+
 
 class Mesh:
     """A named N-D mesh over the default process group.
@@ -73,9 +75,7 @@ class Mesh:
         once instead of waiting for the collective timeout (gloo closes a pair's socket only
         when its group object is freed)."""
         self._flat.clear()
-        registry = getattr(self.device_mesh, "_pg_registry", None)  # where DeviceMesh keeps them
-        if isinstance(registry, dict):
-            registry.clear()
+        _torch.release_mesh_groups(self.device_mesh)
         self.device_mesh = None
 
     @property

@@ -10,15 +10,11 @@ import time
 
 import pytest
 
+from meshrun.agent.collective_record import INTERVAL_S, Recorder, make_record, parse_ranges, ranges
 from meshrun.agent.collectives import (
-    INTERVAL_S,
-    Recorder,
     desync_call,
     first_disagreement,
     from_summary,
-    make_record,
-    parse_ranges,
-    ranges,
     read_record,
     summary,
     wait_current,

@@ -3,7 +3,7 @@
 1. Installs `meshrun.exit_guard` (loaded by path: the worker's interpreter need not have
    meshrun installed, and the ``meshrun`` package is not imported), so a script that finished
    its work is not killed by torch's native threads at interpreter exit.
-2. Starts the collective record's thread (`meshrun.agent.collectives.Recorder`, loaded the
+2. Starts the collective record's thread (`meshrun.agent.collective_record.Recorder`, loaded the
    same way) when the agent asked for it (``MESHRUN_COLLECTIVE_RECORD``).
 3. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
    have run without it (the next one on ``sys.path``), so the script sees the path and the
@@ -44,7 +44,8 @@ def _meshrun_worker_site() -> None:
         if guard is not None:
             guard.install()
     if os.environ.get("MESHRUN_COLLECTIVE_RECORD", "0") != "0":
-        record = _meshrun_load("_meshrun_collectives", os.path.join(agent_dir, "collectives.py"))
+        record = _meshrun_load("_meshrun_collectives",
+                               os.path.join(agent_dir, "collective_record.py"))
         if record is not None:
             record.start_recorder_from_env()
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshrun import _torch
 from meshrun.parallel._comm import launched, wait
 from meshrun.parallel.cp.layout import LAYOUTS, check_layout
 
@@ -138,9 +139,7 @@ def _scores(q, k, scale, diagonal):
 # torch's fused CPU attention kernel returns the log-sum-exp a block needs, and its backward
 # takes the final output and log-sum-exp, which is exactly a block's share of the gradients;
 # elsewhere the blocks are computed here with matmuls (the same math, S/cp x S/cp scores).
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
-                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CPU_FLASH, _CPU_FLASH_BACKWARD = _torch.cpu_flash_attention()
 use_fused_kernel = True  # tests switch it off to check the matmul blocks on CPU too
 
 

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun import _torch
 from meshrun.parallel._comm import group_device
 
 __all__ = ["Copies", "NotCovered"]
@@ -487,7 +488,7 @@ def _pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     with torch.no_grad():  # parameters among the tensors: the copy is not recorded
         sources = [t if v.dtype == t.dtype else t.reshape(-1).view(torch.uint8)
                    for t, v in zip(tensors, views, strict=True)]
-        torch._foreach_copy_(views, sources)
+        _torch.foreach_copy_(views, sources)
 
 
 def _plan(gathered: list[dict]) -> tuple[int, list[int], int]:

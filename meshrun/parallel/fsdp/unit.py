@@ -66,8 +66,9 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from meshrun import _torch
+from meshrun._torch import tree_flatten, tree_map, tree_unflatten
 from meshrun.parallel import comm_hooks
 from meshrun.parallel._comm import (
     all_gather_flat,
@@ -165,7 +166,7 @@ class Root:
     def ensure_callback(self) -> None:
         if not self.in_backward:
             self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            _torch.queue_backward_callback(self.finish_backward)
 
     def add_pending(self, entry) -> None:
         # one reduce-scatter in flight while the next unit's backward runs: finishing the older

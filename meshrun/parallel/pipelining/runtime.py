@@ -87,8 +87,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
+from meshrun._torch import tree_leaves
 from meshrun.parallel._comm import launched, wait
 from meshrun.parallel.grad_sync import gradient_sync
 from meshrun.parallel.heartbeat import heartbeat

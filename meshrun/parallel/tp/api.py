@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun import _torch
 from meshrun.parallel import placement
 from meshrun.parallel._comm import broadcast_from_first_
 from meshrun.parallel.mesh import Mesh
@@ -215,7 +216,7 @@ def _register_state_dict_hooks(module: nn.Module, names: list[str]) -> None:
 
 def _check_dropout_rng(module: nn.Module, targets, group) -> None:
     """Replicated dropout needs the same default stream on every TP rank."""
-    has_dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    has_dropout = any(isinstance(m, _torch.dropout_base()) and m.p > 0
                       for m in module.modules())
     if not has_dropout or dist.get_world_size(group) == 1:
         return

@@ -1,0 +1,203 @@
+"""torch's private names, behind one door: the only module of meshrun that touches them.
+
+torch keeps some of what meshrun needs under names with a leading underscore: no promise of
+stability comes with them, and a torch release may move or drop any. So every use is here, as
+a small function that says what it relies on and which torch versions were checked
+(`tests/test_private_torch.py` fails on a private torch name anywhere else in the package;
+`tests/test_torch_door.py` calls every function here against the installed torch, and is part
+of ``make compat``, so a new torch is tried against each of them).
+
+Checked: torch 2.13.0 (the CPU wheel the suite runs on; every function called by
+tests/test_torch_door.py). ``make compat TORCH=2.14.1`` and ``TORCH=2.15.0`` run the same
+test file against those versions; the names below were last read in torch 2.13.0's sources.
+
+Stdlib only at import, and nothing of meshrun: workers load this file by path before the
+script imports torch (``meshrun/agent/collective_record.py``), so torch is imported inside each
+function, when it is called.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+# -- torch.distributed's process-group registry ------------------------------------------------
+
+
+def process_group_names(dist=None) -> list[tuple[object, str]]:
+    """Every live process group of this process with its global name, as torch's flight
+    recorder names it: ``[(ProcessGroup, "0"), ...]``. ``dist`` is ``torch.distributed``
+    (the default), or a stand-in of it with the same shape (tests).
+
+    Relies on ``torch.distributed.distributed_c10d._world.pg_names`` (a dict of group ->
+    name); torch 2.13.0."""
+    dist = dist if dist is not None else _module("torch.distributed")
+    return list(dist.distributed_c10d._world.pg_names.items())
+
+
+def all_process_groups() -> list:
+    """Every process group of this process, the default one included (to abort them all).
+
+    Relies on ``torch.distributed.distributed_c10d._world.pg_map``; torch 2.13.0."""
+    return list(_module("torch.distributed.distributed_c10d")._world.pg_map)
+
+
+def group_count() -> int:
+    """How many process groups torch has numbered in this process (the next group's default
+    name derives from it).
+
+    Relies on ``torch.distributed.distributed_c10d._world.group_count``; torch 2.13.0."""
+    return _module("torch.distributed.distributed_c10d")._world.group_count
+
+
+def set_group_count(count: int) -> None:
+    """Put torch's group count back to ``count``: a failed ``init_process_group`` counts a
+    group that never formed, and a fresh process joining the same world would name its groups
+    from 0 while this one names them from 1 (torch resets the count only in destroy).
+
+    Relies on ``torch.distributed.distributed_c10d._world.group_count`` being writable; torch
+    2.13.0."""
+    _module("torch.distributed.distributed_c10d")._world.group_count = count
+
+
+def release_mesh_groups(device_mesh) -> None:
+    """Drop the process groups a ``DeviceMesh`` keeps, so their connections close although
+    the mesh object may still be referenced (gloo closes a pair's socket only when its group
+    object is freed).
+
+    Relies on ``DeviceMesh._pg_registry`` (a dict; absent in other versions: then nothing is
+    done); torch 2.13.0."""
+    registry = getattr(device_mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+
+
+# -- the flight recorder -----------------------------------------------------------------------
+
+
+def flight_recorder_dump(nccl: bool = False) -> str | bytes:
+    """torch's flight recorder ring as JSON (entries, and per group the last sequence numbers
+    enqueued and completed), without stack traces: ``_dump_fr_trace_json(True, False)``
+    (include collectives, not only_active). With ``nccl=True`` and a CUDA build, NCCL's own
+    ring (``_dump_nccl_trace_json``) where torch has it, else the common one.
+
+    Relies on ``torch._C._distributed_c10d._dump_fr_trace_json`` and, for NCCL,
+    ``_dump_nccl_trace_json``; torch 2.13.0 (gloo; the NCCL variant is not in CPU builds and
+    was not run here)."""
+    c10d = _module("torch._C._distributed_c10d")
+    if nccl and hasattr(c10d, "_dump_nccl_trace_json"):
+        return c10d._dump_nccl_trace_json(True, False)
+    return c10d._dump_fr_trace_json(True, False)
+
+
+# -- autograd ----------------------------------------------------------------------------------
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn()`` once the running backward pass has finished (all gradients computed),
+    from inside that backward: DDP's and FSDP's end-of-backward work.
+
+    Relies on ``torch.autograd.Variable._execution_engine.queue_callback`` (what torch's own
+    DDP and FSDP use); torch 2.13.0."""
+    _module("torch").autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def dropout_base() -> type:
+    """The base class of every dropout module (``nn.Dropout``, ``nn.Dropout2d``, ...).
+
+    Relies on ``torch.nn.modules.dropout._DropoutNd``; torch 2.13.0."""
+    return _module("torch.nn.modules.dropout")._DropoutNd
+
+
+# -- tensors -----------------------------------------------------------------------------------
+
+
+def flatten_dense_tensors(tensors):
+    """One flat 1-D tensor of ``tensors`` (all of one dtype and device), for one collective
+    over many: ``torch._utils._flatten_dense_tensors``; torch 2.13.0."""
+    return _module("torch._utils")._flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat, tensors):
+    """Views of ``flat`` shaped as ``tensors``: ``torch._utils._unflatten_dense_tensors``;
+    torch 2.13.0."""
+    return _module("torch._utils")._unflatten_dense_tensors(flat, tensors)
+
+
+def foreach_copy_(destinations, sources) -> None:
+    """``destinations[i].copy_(sources[i])`` for every i, as one fused op:
+    ``torch._foreach_copy_``; torch 2.13.0."""
+    _module("torch")._foreach_copy_(destinations, sources)
+
+
+# -- pytrees -----------------------------------------------------------------------------------
+
+
+def tree_flatten(tree):
+    """``(leaves, spec)`` of a nested structure: ``torch.utils._pytree.tree_flatten``; torch
+    2.13.0."""
+    return _module("torch.utils._pytree").tree_flatten(tree)
+
+
+def tree_unflatten(leaves, spec):
+    """The structure ``spec`` with ``leaves`` put back: ``torch.utils._pytree.tree_unflatten``;
+    torch 2.13.0."""
+    return _module("torch.utils._pytree").tree_unflatten(leaves, spec)
+
+
+def tree_map(fn, tree):
+    """``tree`` with ``fn`` applied to every leaf: ``torch.utils._pytree.tree_map``; torch
+    2.13.0."""
+    return _module("torch.utils._pytree").tree_map(fn, tree)
+
+
+def tree_leaves(tree) -> list:
+    """The leaves of ``tree``: ``torch.utils._pytree.tree_leaves``; torch 2.13.0."""
+    return _module("torch.utils._pytree").tree_leaves(tree)
+
+
+# -- distributed checkpoints -------------------------------------------------------------------
+
+
+def flatten_state_dict(state_dict):
+    """``(flat, mappings)``: a nested state dict as one level of dotted keys, and how to undo
+    it, as DCP's load planner expects them.
+
+    Relies on ``torch.distributed.checkpoint._nested_dict.flatten_state_dict`` (what
+    ``DefaultLoadPlanner.set_up_planner`` calls; meshrun's planner calls it without the
+    default planner's meta-tensor step); torch 2.13.0."""
+    return _module("torch.distributed.checkpoint._nested_dict").flatten_state_dict(state_dict)
+
+
+# -- attention kernels -------------------------------------------------------------------------
+
+
+def cpu_flash_attention():
+    """``(forward, backward)``: torch's fused CPU attention kernel, which returns the
+    log-sum-exp a ring-attention block needs, and its backward; ``(None, None)`` where torch
+    has them not.
+
+    Relies on ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its
+    ``_backward``; torch 2.13.0."""
+    aten = _module("torch").ops.aten
+    return (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+            getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None))
+
+
+def attention_ops() -> tuple:
+    """The fused attention ops whose outputs selective activation checkpointing keeps (what
+    ``F.scaled_dot_product_attention`` dispatches to), those this torch has.
+
+    Relies on ``torch.ops.aten._scaled_dot_product_flash_attention``,
+    ``_scaled_dot_product_flash_attention_for_cpu``, ``_scaled_dot_product_efficient_attention``
+    and ``_scaled_dot_product_cudnn_attention`` (the op packets; None for one this torch
+    lacks); torch 2.13.0."""
+    aten = _module("torch").ops.aten
+    names = ("_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return tuple(getattr(aten, n, None) for n in names)
