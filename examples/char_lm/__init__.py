@@ -1,7 +1,11 @@
 """The char LM that examples/train_char_lm.py trains, in three files: `model` (the
 transformer), `data` (windows, epochs, the global batch split into microbatches) and
 `parallelize` (one mesh, the strategies in a fixed order, one step's forward / backward and
-gradient clip). Their public names are re-exported here."""
+gradient clip). Their public names are re-exported here.
+
+The script's plumbing sits beside them, imported by module: `flags` (the options and their
+checks), `checkpointing` (saves, resume, the stop request), `optim` (the optimizer and the
+learning rate) and `in_place` (the ``--elastic in-place`` loop)."""
 
 from char_lm.data import (
     DATA,
