@@ -84,6 +84,8 @@ class Cut:
             ``size * chunks``) and every rank keeps ``padded / size`` rows (TP, Megatron's
             vocabulary padding). None: ``torch.chunk`` rows, ``ceil(n / size)`` per rank, the
             last ranks fewer or none (FSDP, and DTensor's ``Shard``).
+        replicas: the groups that hold this same cut, each a copy of the others (HSDP: the
+            size of the replicate group); 1 for a plain cut.
     """
 
     strategy: str
@@ -93,6 +95,7 @@ class Cut:
     rank: int
     chunks: int = 1
     padded: int | None = None
+    replicas: int = 1
 
     def segments(self, length: int, rank: int | None = None) -> tuple[list[tuple[int, int, int]],
                                                                          int]:
@@ -156,6 +159,17 @@ def of(param: torch.Tensor) -> Placement:
     """The placement of ``param``: the recorded one, else whole and replicated (its shape)."""
     found = getattr(param, _ATTR, None)
     return found if found is not None else Placement(param.shape, param.dtype)
+
+
+def fsdp_cut(param: torch.Tensor) -> tuple[Cut, torch.Size] | None:
+    """The cut `fully_shard` made of ``param`` (rows of dim 0 over its shards, ``replicas``
+    copies of that layout under HSDP) and the shape it cut (the local shape before it: the
+    unit's unsharded parameter); None when FSDP does not shard ``param``."""
+    found = of(param)
+    for i, cut in enumerate(found.cuts):
+        if cut.strategy == "fsdp":
+            return cut, Placement(found.global_shape, found.dtype, found.cuts[:i]).local_shape
+    return None
 
 
 def record(param: torch.Tensor, placement: Placement) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun import _torch
 from meshrun.parallel import placement
 from meshrun.parallel.fsdp.offload import OffloadPolicy
 from meshrun.parallel.fsdp.state_dict import register_state_dict_hooks
@@ -290,7 +291,7 @@ def fully_shard(module: nn.Module, group: dist.ProcessGroup | None = None, *,
     for p, was in zip(params, before, strict=True):
         p._fsdp_unit = unit
         placement.record(p, was.narrow(placement.Cut("fsdp", group, 0, unit.world_size,
-                                                     unit.rank)))
+                                                     unit.rank, replicas=unit.replicas)))
     module._fsdp_unit = unit  # a plain attribute: not a submodule, not in state_dict
     cls = type(module)
     unit.undo = _Undo(cls, before, [
@@ -370,7 +371,7 @@ def _collect(module: nn.Module):
     fqns: list[list[str]] = []  # names relative to ``module``, first one first
     index: dict[int, int] = {}
     for prefix, mod in _region(module, ""):
-        for attr, p in mod._parameters.items():
+        for attr, p in _torch.parameter_slots(mod).items():
             if p is None:
                 continue
             fqn = prefix + attr

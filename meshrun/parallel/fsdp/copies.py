@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun import _torch
+from meshrun.parallel import placement
 from meshrun.parallel._comm import group_device
 
 __all__ = ["Copies", "NotCovered"]
@@ -367,13 +368,13 @@ class Copies:
         its own generations only (a fresh process has none of the old world's)."""
         self._unconfirmed = False
         for p, optimizer, key in self._restored:
-            unit = getattr(p, "_fsdp_unit", None)
-            if unit is None:
+            found = placement.fsdp_cut(p)
+            if found is None:
                 continue  # build() left it whole
-            slot = unit.layout.slots[next(i for i, q in enumerate(unit.params) if q is p)]
-            start = unit.rank * slot.rows
+            cut, shape = found
+            [(start, _, rows)], _ = cut.segments(shape[0])  # this rank's rows of dim 0
             full = optimizer.state[p][key]
-            optimizer.state[p][key] = full[start:start + slot.rows_of(unit.rank)].clone()
+            optimizer.state[p][key] = full[start:start + rows].clone()
         self._restored = []
 
     # -- helpers ----------------------------------------------------------------------------
@@ -532,7 +533,7 @@ def _named_params(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
 
 
 def _sharded(state: MutableMapping) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in _named_params(state) if getattr(p, "_fsdp_unit", None)]
+    return [(n, p) for n, p in _named_params(state) if placement.fsdp_cut(p) is not None]
 
 
 def _optimizers(state: MutableMapping) -> list[torch.optim.Optimizer]:
@@ -567,8 +568,9 @@ def _shard_keys(optimizers, name: str, p) -> list[str]:
 
 
 def _unit_shape(p) -> torch.Size:
-    unit = p._fsdp_unit
-    return unit.layout.slots[next(i for i, q in enumerate(unit.params) if q is p)].shape
+    """The unsharded shape of ``p`` in its unit (the placement record's shape before the FSDP
+    cut)."""
+    return placement.fsdp_cut(p)[1]
 
 
 def _stateful(value) -> bool:
@@ -637,8 +639,8 @@ def _world(state: MutableMapping, round: int, params: list[tuple[str, nn.Paramet
     Raises:
         RuntimeError: another layout (FSDP over part of the world: TP or PP beside it, or
             units of different groups)."""
-    units = {id(p._fsdp_unit): p._fsdp_unit for _, p in params}.values()
-    layouts = {(u.world_size, u.rank, u.replicas) for u in units}
+    cuts = [placement.fsdp_cut(p)[0] for _, p in params]
+    layouts = {(c.size, c.rank, c.replicas) for c in cuts}
     world = dist.get_world_size()
     (shards, shard, replicas), *others = layouts
     if others or shards * replicas != world:
