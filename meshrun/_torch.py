@@ -7,9 +7,12 @@ a small function that says what it relies on and which torch versions were check
 `tests/test_torch_door.py` calls every function here against the installed torch, and is part
 of ``make compat``, so a new torch is tried against each of them).
 
-Checked: torch 2.13.0 (the CPU wheel the suite runs on; every function called by
-tests/test_torch_door.py). ``make compat TORCH=2.14.1`` and ``TORCH=2.15.0`` run the same
-test file against those versions; the names below were last read in torch 2.13.0's sources.
+Checked: torch 2.13.0, run (the CPU wheel the suite runs on; every function is called by
+tests/test_torch_door.py); torch 2.14.1, read, not run (the Python sources of the CUDA 2.14.1
+wheel, and the names its ``libtorch_python.so`` exports: every name below is there, with the
+same signature where it is Python). torch 2.15 was not checked (no copy of it was at hand).
+``make compat TORCH=<version>`` runs tests/test_torch_door.py against another torch; it has not
+been run on 2.14.1 or 2.15.0 since these functions were gathered here.
 
 Stdlib only at import, and nothing of meshrun: workers load this file by path before the
 script imports torch (``meshrun/agent/collective_record.py``), so torch is imported inside each
@@ -34,7 +37,7 @@ def process_group_names(dist=None) -> list[tuple[object, str]]:
     (the default), or a stand-in of it with the same shape (tests).
 
     Relies on ``torch.distributed.distributed_c10d._world.pg_names`` (a dict of group ->
-    name); torch 2.13.0."""
+    name); torch 2.13.0, 2.14.1."""
     dist = dist if dist is not None else _module("torch.distributed")
     return list(dist.distributed_c10d._world.pg_names.items())
 
@@ -42,7 +45,7 @@ def process_group_names(dist=None) -> list[tuple[object, str]]:
 def all_process_groups() -> list:
     """Every process group of this process, the default one included (to abort them all).
 
-    Relies on ``torch.distributed.distributed_c10d._world.pg_map``; torch 2.13.0."""
+    Relies on ``torch.distributed.distributed_c10d._world.pg_map``; torch 2.13.0, 2.14.1."""
     return list(_module("torch.distributed.distributed_c10d")._world.pg_map)
 
 
@@ -50,7 +53,8 @@ def group_count() -> int:
     """How many process groups torch has numbered in this process (the next group's default
     name derives from it).
 
-    Relies on ``torch.distributed.distributed_c10d._world.group_count``; torch 2.13.0."""
+    Relies on ``torch.distributed.distributed_c10d._world.group_count``; torch 2.13.0,
+    2.14.1."""
     return _module("torch.distributed.distributed_c10d")._world.group_count
 
 
@@ -59,8 +63,8 @@ def set_group_count(count: int) -> None:
     group that never formed, and a fresh process joining the same world would name its groups
     from 0 while this one names them from 1 (torch resets the count only in destroy).
 
-    Relies on ``torch.distributed.distributed_c10d._world.group_count`` being writable; torch
-    2.13.0."""
+    Relies on ``torch.distributed.distributed_c10d._world.group_count`` being writable (a
+    property with a setter); torch 2.13.0, 2.14.1."""
     _module("torch.distributed.distributed_c10d")._world.group_count = count
 
 
@@ -70,7 +74,7 @@ def release_mesh_groups(device_mesh) -> None:
     object is freed).
 
     Relies on ``DeviceMesh._pg_registry`` (a dict; absent in other versions: then nothing is
-    done); torch 2.13.0."""
+    done); torch 2.13.0, 2.14.1."""
     registry = getattr(device_mesh, "_pg_registry", None)
     if isinstance(registry, dict):
         registry.clear()
@@ -86,8 +90,8 @@ def flight_recorder_dump(nccl: bool = False) -> str | bytes:
     ring (``_dump_nccl_trace_json``) where torch has it, else the common one.
 
     Relies on ``torch._C._distributed_c10d._dump_fr_trace_json`` and, for NCCL,
-    ``_dump_nccl_trace_json``; torch 2.13.0 (gloo; the NCCL variant is not in CPU builds and
-    was not run here)."""
+    ``_dump_nccl_trace_json``; torch 2.13.0 (the common ring, on gloo), 2.14.1 (both names
+    exported by the CUDA build). The NCCL variant is not in CPU builds and was not run here."""
     c10d = _module("torch._C._distributed_c10d")
     if nccl and hasattr(c10d, "_dump_nccl_trace_json"):
         return c10d._dump_nccl_trace_json(True, False)
@@ -102,14 +106,14 @@ def queue_backward_callback(fn) -> None:
     from inside that backward: DDP's and FSDP's end-of-backward work.
 
     Relies on ``torch.autograd.Variable._execution_engine.queue_callback`` (what torch's own
-    DDP and FSDP use); torch 2.13.0."""
+    DDP and FSDP use); torch 2.13.0, 2.14.1."""
     _module("torch").autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def dropout_base() -> type:
     """The base class of every dropout module (``nn.Dropout``, ``nn.Dropout2d``, ...).
 
-    Relies on ``torch.nn.modules.dropout._DropoutNd``; torch 2.13.0."""
+    Relies on ``torch.nn.modules.dropout._DropoutNd``; torch 2.13.0, 2.14.1."""
     return _module("torch.nn.modules.dropout")._DropoutNd
 
 
@@ -118,19 +122,19 @@ def dropout_base() -> type:
 
 def flatten_dense_tensors(tensors):
     """One flat 1-D tensor of ``tensors`` (all of one dtype and device), for one collective
-    over many: ``torch._utils._flatten_dense_tensors``; torch 2.13.0."""
+    over many: ``torch._utils._flatten_dense_tensors``; torch 2.13.0, 2.14.1."""
     return _module("torch._utils")._flatten_dense_tensors(tensors)
 
 
 def unflatten_dense_tensors(flat, tensors):
     """Views of ``flat`` shaped as ``tensors``: ``torch._utils._unflatten_dense_tensors``;
-    torch 2.13.0."""
+    torch 2.13.0, 2.14.1 (the same source)."""
     return _module("torch._utils")._unflatten_dense_tensors(flat, tensors)
 
 
 def foreach_copy_(destinations, sources) -> None:
     """``destinations[i].copy_(sources[i])`` for every i, as one fused op:
-    ``torch._foreach_copy_``; torch 2.13.0."""
+    ``torch._foreach_copy_``; torch 2.13.0, 2.14.1."""
     _module("torch")._foreach_copy_(destinations, sources)
 
 
@@ -139,24 +143,24 @@ def foreach_copy_(destinations, sources) -> None:
 
 def tree_flatten(tree):
     """``(leaves, spec)`` of a nested structure: ``torch.utils._pytree.tree_flatten``; torch
-    2.13.0."""
+    2.13.0, 2.14.1."""
     return _module("torch.utils._pytree").tree_flatten(tree)
 
 
 def tree_unflatten(leaves, spec):
     """The structure ``spec`` with ``leaves`` put back: ``torch.utils._pytree.tree_unflatten``;
-    torch 2.13.0."""
+    torch 2.13.0, 2.14.1."""
     return _module("torch.utils._pytree").tree_unflatten(leaves, spec)
 
 
 def tree_map(fn, tree):
     """``tree`` with ``fn`` applied to every leaf: ``torch.utils._pytree.tree_map``; torch
-    2.13.0."""
+    2.13.0, 2.14.1."""
     return _module("torch.utils._pytree").tree_map(fn, tree)
 
 
 def tree_leaves(tree) -> list:
-    """The leaves of ``tree``: ``torch.utils._pytree.tree_leaves``; torch 2.13.0."""
+    """The leaves of ``tree``: ``torch.utils._pytree.tree_leaves``; torch 2.13.0, 2.14.1."""
     return _module("torch.utils._pytree").tree_leaves(tree)
 
 
@@ -168,9 +172,46 @@ def flatten_state_dict(state_dict):
     it, as DCP's load planner expects them.
 
     Relies on ``torch.distributed.checkpoint._nested_dict.flatten_state_dict`` (what
-    ``DefaultLoadPlanner.set_up_planner`` calls; meshrun's planner calls it without the
-    default planner's meta-tensor step); torch 2.13.0."""
+    ``DefaultLoadPlanner.set_up_planner`` calls); torch 2.13.0, 2.14.1."""
     return _module("torch.distributed.checkpoint._nested_dict").flatten_state_dict(state_dict)
+
+
+def set_up_load_planner(planner, state_dict, metadata, is_coordinator: bool) -> None:
+    """``DefaultLoadPlanner.set_up_planner`` for ``planner`` (a ``DefaultLoadPlanner`` made
+    with ``flatten_state_dict=True, flatten_sharded_tensors=False``), less its first step,
+    ``_init_state_dict``: that one only materialises meta tensors and replaces every value
+    that is not a tensor by None, which would drop a loader's own tensor-like values
+    (meshrun's ``ShardedBlocks``). The rest of the planner then works as torch's.
+
+    Relies on the attributes the default planner's other methods read (``original_state_dict``,
+    ``state_dict``, ``mappings``, ``metadata``, ``is_coordinator``: none documented) and on
+    `flatten_state_dict`; torch 2.13.0, 2.14.1 (``DefaultLoadPlanner`` up to
+    ``create_local_plan`` has the same source in both)."""
+    planner.original_state_dict = state_dict
+    planner.state_dict, planner.mappings = flatten_state_dict(state_dict)
+    planner.metadata, planner.is_coordinator = metadata, is_coordinator
+
+
+# -- modules -----------------------------------------------------------------------------------
+
+
+def parameter_slots(module) -> dict:
+    """``module``'s own parameters as torch keeps them: the live dict of name -> Parameter
+    (or None) behind ``named_parameters(recurse=False)``. A strategy puts a plain tensor in a
+    slot for a forward (an all-gathered or differentiable view of the parameter), which
+    ``setattr`` refuses (it takes only a Parameter there), and puts the parameter back after.
+
+    Relies on ``torch.nn.Module._parameters`` (what torch's own FSDP writes); torch 2.13.0,
+    2.14.1."""
+    return module._parameters
+
+
+def non_persistent_buffers(module) -> set[str]:
+    """The names of ``module``'s own buffers registered with ``persistent=False`` (left out of
+    its ``state_dict``; torch has no public question for it).
+
+    Relies on ``torch.nn.Module._non_persistent_buffers_set``; torch 2.13.0, 2.14.1."""
+    return module._non_persistent_buffers_set
 
 
 # -- attention kernels -------------------------------------------------------------------------
@@ -182,7 +223,7 @@ def cpu_flash_attention():
     has them not.
 
     Relies on ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its
-    ``_backward``; torch 2.13.0."""
+    ``_backward``; torch 2.13.0, 2.14.1."""
     aten = _module("torch").ops.aten
     return (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
             getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None))
@@ -195,7 +236,7 @@ def attention_ops() -> tuple:
     Relies on ``torch.ops.aten._scaled_dot_product_flash_attention``,
     ``_scaled_dot_product_flash_attention_for_cpu``, ``_scaled_dot_product_efficient_attention``
     and ``_scaled_dot_product_cudnn_attention`` (the op packets; None for one this torch
-    lacks); torch 2.13.0."""
+    lacks); torch 2.13.0, 2.14.1."""
     aten = _module("torch").ops.aten
     names = ("_scaled_dot_product_flash_attention",
              "_scaled_dot_product_flash_attention_for_cpu",

@@ -7,7 +7,7 @@ Keys, under ``/meshrun/<run_id>/``::
 
     state                   the job's state: {round, restarts, status, reason}; changed only by
                             compare-and-set, so every node agrees on the round and on how many
-                            restarts the job has spent (docs/design.md §3.1)
+                            restarts the job has spent (docs/design.md §3.2)
     r<T>/node/              register: the NodeDescs of round T's joiners, in join order
     r<T>/quorum             written once by the MIN-th joiner (the others wait for it); with
                             MIN = MAX by the closer, once it closed the round
