@@ -9,8 +9,10 @@ one place. Read from the syntax tree of every module of the package:
 - an attribute ``_x`` (not a dunder) in a chain rooted at a name bound to torch by an import
   (``torch._foreach_copy_``, ``dist.distributed_c10d._world``, ``aten._scaled_...`` where
   ``aten = torch.ops.aten``);
-- ``getattr``/``hasattr``/``setattr`` with a ``"_x"`` string on such a chain, or naming one of
-  torch's private attributes meshrun is known to need (`KNOWN_PRIVATE`) on any object.
+- ``getattr``/``hasattr``/``setattr`` with a ``"_x"`` string on such a chain;
+- one of torch's private attributes meshrun is known to need (`KNOWN_PRIVATE`), as an
+  attribute or a ``getattr`` string, on any object but ``self``/``cls`` (a module in a loop
+  variable, a DeviceMesh in a field: objects whose type the scan cannot see).
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "meshrun"
 DOOR = PACKAGE / "_torch.py"
-#: torch attributes reached on objects whose type the scan cannot see (a DeviceMesh in a field)
-KNOWN_PRIVATE = frozenset({"_pg_registry", "_world", "_dump_fr_trace_json"})
+#: torch attributes reached on objects whose type the scan cannot see (a DeviceMesh in a field,
+#: a module in a loop): DeviceMesh's groups, c10d's registry, the flight recorder, nn.Module's
+#: and Tensor's internals
+KNOWN_PRIVATE = frozenset({
+    "_pg_registry", "_world", "_dump_fr_trace_json", "_dump_nccl_trace_json",
+    "_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
+    "_backward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+    "_non_persistent_buffers_set", "_execution_engine", "_base", "_cdata", "_local_tensor",
+})
 
 
 def _private(name: str) -> bool:
@@ -62,7 +71,9 @@ def private_uses(path: Path) -> list[str]:
         if isinstance(node, ast.Assign) and _root(node.value) in bound:
             bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _private(node.attr) and _root(node) in bound:
+        if isinstance(node, ast.Attribute) and _private(node.attr) and (
+                _root(node) in bound
+                or (node.attr in KNOWN_PRIVATE and _root(node) not in ("self", "cls"))):
             found.append((node.lineno, f".{node.attr}"))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
@@ -100,8 +111,10 @@ def test_the_scan_catches_each_form(tmp_path):
         "from torch._utils import _flatten_dense_tensors\n"
         "from torch.utils import _pytree\n"
         "aten = torch.ops.aten\n"
-        "def f(mesh, x):\n"
+        "def f(mesh, x, mod):\n"
         "    torch._foreach_copy_(x, x)\n"
+        "    mod._parameters['w'] = x\n"
+        "    self._parameters = {}\n"
         "    n = dist.distributed_c10d._world.group_count\n"
         "    op = getattr(aten, '_scaled_dot_product_flash_attention', None)\n"
         "    return getattr(mesh, '_pg_registry', None), aten._fused_op, x._meshrun_mark\n"
@@ -115,4 +128,5 @@ def test_the_scan_catches_each_form(tmp_path):
         "getattr(..., \"_scaled_dot_product_flash_attention\")",
         "getattr(..., \"_pg_registry\")",
         "._fused_op",
+        "._parameters",
     ]), uses

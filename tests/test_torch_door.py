@@ -36,6 +36,44 @@ def test_tensors_pytrees_and_checkpoint_flattening():
 
 
 @pytest.mark.timeout(60)
+def test_load_planner_set_up_keeps_what_is_not_a_tensor(tmp_path):
+    """A tiny DCP save and load (one process, no process group) through a planner whose set-up
+    is the door's: the tensor is loaded in place, a value that is not a tensor stays."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            _torch.set_up_load_planner(self, state_dict, metadata, is_coordinator)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "torch.distributed is disabled"
+        dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=str(tmp_path))
+        marker = object()
+        target = {"model": {"w": torch.zeros(4)}, "mine": marker}
+        planner = Planner(flatten_state_dict=True, flatten_sharded_tensors=False)
+        planner.set_up_planner(target, None, True)
+        assert planner.original_state_dict is target and planner.state_dict["mine"] is marker
+        dcp.load({"model": target["model"]}, checkpoint_id=str(tmp_path), planner=Planner(
+            flatten_state_dict=True, flatten_sharded_tensors=False))
+    assert torch.equal(target["model"]["w"], torch.arange(4.0))
+
+
+@pytest.mark.timeout(60)
+def test_module_slots_and_buffers():
+    lin = torch.nn.Linear(2, 2)
+    slots = _torch.parameter_slots(lin)
+    assert set(slots) == {"weight", "bias"} and slots["weight"] is lin.weight
+    plain = lin.weight.detach().clone()
+    slots["weight"] = plain  # a plain tensor in the slot: what the strategies do for a forward
+    assert lin.weight is plain
+    lin.register_buffer("kept", torch.zeros(1))
+    lin.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert _torch.non_persistent_buffers(lin) == {"scratch"}
+
+
+@pytest.mark.timeout(60)
 def test_autograd_callback_dropout_and_attention_ops():
     ran = []
     w = torch.ones(2, requires_grad=True)
@@ -72,6 +110,8 @@ _DIST = textwrap.dedent("""
     out["count_moved"] = _torch.group_count() == count + 5
     _torch.set_group_count(count)
     ring = json.loads(_torch.flight_recorder_dump())
+    nccl = json.loads(_torch.flight_recorder_dump(nccl=True))  # NCCL's ring where built in
+    out["nccl_dump"] = isinstance(nccl, dict)
     out["ops"] = [e.get("profiling_name") for e in ring.get("entries", [])]
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     _torch.release_mesh_groups(mesh)
@@ -93,4 +133,4 @@ def test_process_groups_flight_recorder_and_mesh(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "0" in out["names"] and out["groups"] >= 1 and out["count_moved"]
     assert any("all_reduce" in str(op) for op in out["ops"]), out["ops"]
-    assert out["released"]
+    assert out["released"] and out["nccl_dump"]

@@ -253,6 +253,7 @@ def parse_ranges(text: str) -> list[int]:
         ranks.extend(range(int(first), int(last or first) + 1))
     return ranks
 
+
 def _door():
     """``meshrun/_torch.py``: the package's module where meshrun is imported as a package,
     else loaded by path (as ``_meshrun_torch``) from beside this file's folder."""

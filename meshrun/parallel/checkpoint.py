@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshrun._torch import flatten_state_dict
+from meshrun import _torch
 from meshrun.parallel import atomic_dir, placement
 from meshrun.parallel.atomic_dir import SaveInProgress
 from meshrun.parallel.heartbeat import busy
@@ -522,12 +522,9 @@ class _LoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        # DefaultLoadPlanner's, less its _init_state_dict: that one only materialises meta
-        # tensors (we load into real ones) and replaces every value that is not a tensor by None
-        # (torch 2.13), which would drop our ShardedBlocks.
-        self.original_state_dict = state_dict
-        self.state_dict, self.mappings = flatten_state_dict(state_dict)
-        self.metadata, self.is_coordinator = metadata, is_coordinator
+        # DefaultLoadPlanner's, less the step that would replace our ShardedBlocks by None
+        # (we load into real tensors, never meta ones)
+        _torch.set_up_load_planner(self, state_dict, metadata, is_coordinator)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
@@ -682,7 +679,7 @@ def _owner(module: nn.Module, name: str) -> nn.Module:
 
 
 def _persistent(module: nn.Module, name: str) -> bool:
-    return name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set
+    return name.rpartition(".")[2] not in _torch.non_persistent_buffers(_owner(module, name))
 
 
 def _rank() -> int:

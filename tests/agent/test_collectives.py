@@ -374,3 +374,27 @@ def test_recorder_keeps_each_group_to_its_own_lifetime(tmp_path, monkeypatch, la
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_worker_without_the_torch_door_runs_on_unrecorded(tmp_path):
+    """The recorder loaded by path (as meshrun's sitecustomize does) where meshrun/_torch.py
+    is not beside it: one line on stderr, no recorder, and the worker carries on."""
+    import shutil
+    import subprocess
+    import sys
+
+    import meshrun.agent.collective_record as worker_side
+
+    (tmp_path / "agent").mkdir()  # the door would be tmp_path/_torch.py: absent
+    copy = tmp_path / "agent" / "collective_record.py"
+    shutil.copy(worker_side.__file__, copy)
+    script = ("import importlib.util, sys\n"
+              f"spec = importlib.util.spec_from_file_location('_meshrun_collectives', {str(copy)!r})\n"
+              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+              "print(m.start_recorder_from_env(), 'ran on')\n")  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "MESHRUN_COLLECTIVE_RECORD": str(tmp_path / "rec.json")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=20, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "None ran on", done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshrun: the collective record is off"), lines

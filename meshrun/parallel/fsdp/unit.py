@@ -385,7 +385,7 @@ class Unit:
         """Point every module attribute that names parameter i at ``tensors[i]``."""
         for aliases, t in zip(self.aliases, tensors, strict=True):
             for mod, attr in aliases:
-                mod._parameters[attr] = t
+                _torch.parameter_slots(mod)[attr] = t
 
     def _lazy_init(self) -> Root:
         if self.root is None:  # the first unit to run forward is the root of those below it

@@ -165,7 +165,7 @@ def _check_tied(module, targets, specs) -> None:
     """A parameter shared by several modules: all of them planned, all sharded alike."""
     users: dict[int, list[tuple[str, str]]] = {}
     for mname, mod in module.named_modules(remove_duplicate=False):
-        for pname, p in mod._parameters.items():
+        for pname, p in _torch.parameter_slots(mod).items():
             if p is not None and (mname, pname) not in users.setdefault(id(p), []):
                 users[id(p)].append((mname, pname))
     for owners in users.values():
@@ -211,7 +211,8 @@ def _make_shard(full: nn.Parameter, spec: ShardSpec, tp: _TP) -> nn.Parameter:
 def _register_state_dict_hooks(module: nn.Module, names: list[str]) -> None:
     """``state_dict()`` of the sharded parameters: DTensors of the global shape; and
     ``load_state_dict`` takes those, full tensors, or local shards (`placement`)."""
-    placement.register_state_dict_hooks(module, [(n, module._parameters[n]) for n in names])
+    slots = _torch.parameter_slots(module)
+    placement.register_state_dict_hooks(module, [(n, slots[n]) for n in names])
 
 
 def _check_dropout_rng(module: nn.Module, targets, group) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from meshrun import _torch
 from meshrun.parallel.tp import comm
 from meshrun.parallel.tp.random import RNGTracker
 from meshrun.parallel.tp.vocab import vocab_parallel_embedding
@@ -377,22 +378,23 @@ def _wrap_forward(module: nn.Module, tp: _TP, *, reduce_param_grads: bool,
     inner = module.forward
 
     def forward(mod, *args, **kwargs):
-        names = [n for n, p in mod._parameters.items()
+        slots = _torch.parameter_slots(mod)
+        names = [n for n, p in slots.items()
                  if p is not None and p.requires_grad] if reduce_param_grads else []
-        originals = {n: mod._parameters[n] for n in names}
+        originals = {n: slots[n] for n in names}
         if names:
             flat = comm.copy_to_tp(torch.cat([originals[n].reshape(-1) for n in names]),
                                       tp.group)
             for n, piece in zip(names, flat.split([originals[n].numel() for n in names]),
                                 strict=True):
-                mod._parameters[n] = piece.view_as(originals[n])  # a view, not a Parameter
+                slots[n] = piece.view_as(originals[n])  # a view, not a Parameter
         try:
             if fork_rng:
                 with tp.rng.fork():
                     return inner(*args, **kwargs)
             return inner(*args, **kwargs)
         finally:
-            mod._parameters.update(originals)
+            slots.update(originals)
 
     module.forward = types.MethodType(forward, module)
 
