@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from meshrun.agent.say import first_line
 from meshrun.agent.verdicts import Place, Rule, Verdict, Whereabouts, Why, attribute
 
 __all__ = [
@@ -397,7 +398,7 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         for f in others:
             delta = f.timestamp_ms - first.timestamp_ms
             log = f", stderr: {f.stderr_path}" if f.stderr_path else ""
-            note = f" - {_first_line(f.message)}" if f.message else ""
+            note = f" - {first_line(f.message)}" if f.message else ""
             lines.append(
                 f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {f.describe_exit()}"
                 f" at +{delta} ms{note}{log}"
@@ -489,12 +490,6 @@ def _rank(f: WorkerFailure) -> int:
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def _first_line(text: str, max_chars: int = 200) -> str:
-    """The first line of ``text``, cut to ``max_chars`` characters (with "..." when cut)."""
-    line = text.strip().split("\n", 1)[0]
-    return line if len(line) <= max_chars else line[: max_chars - 3] + "..."
 
 
 def _order(f: WorkerFailure) -> tuple[int, int]:
