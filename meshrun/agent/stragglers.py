@@ -1,15 +1,15 @@
-"""Straggler detection: the rank whose peers wait for it, from two counters per rank.
+"""Straggler detection: the rank whose peers wait for it, from each rank's steps and waits.
 
 The idea
     In a synchronous job (DDP, FSDP, TP, PP) the collectives tie the ranks together, so every
     rank's *step interval* is the same: the slowest rank sets it. What differs is how a step
     is spent. A rank's **busy time** per step is its step interval minus the time it spent
-    blocked inside collectives; a healthy rank computes, then waits for the others, while a
-    straggler (a slow GPU, a throttled host, a noisy neighbour, a data loader that lags) is
-    busy nearly all the time and its peers wait for it. So the straggler is the rank whose busy
-    time stands out against the median of the other ranks' busy times. Step intervals alone
-    cannot find it (they are equal); waiting times alone are ambiguous when several ranks are
-    slow.
+    waiting for its peers in collectives; a healthy rank computes, then waits for the others,
+    while a straggler (a slow GPU, a throttled host, a noisy neighbour, a data loader that lags)
+    is busy nearly all the time and its peers wait for it. So the straggler is the rank whose
+    busy time stands out against the median of the other ranks' busy times. Step intervals
+    alone cannot find it (they are equal); waiting times alone are ambiguous when several
+    ranks are slow.
 
     Large-scale training reports do the same kind of comparison: ByteDance's MegaScale (Jiang
     et al., NSDI 2024) times each rank's computation and compares ranks to find the slow
@@ -18,23 +18,57 @@ The idea
     NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) records each rank's collectives for
     the hang case; meshrun's hang report (`meshrun.agent.hang`) covers that one.
 
-The counters
+The step interval
     Per local rank the agent samples, every monitor tick, ``heartbeats`` (a u64 the worker
-    increments once per training step: ``meshrun.parallel.heartbeat()``) and ``wait_ns`` (a
-    u64, total nanoseconds the rank has spent blocked inside meshrun's collectives).
-    `StepTimes` turns consecutive samples into per-step intervals and busy times, and keeps a
-    median over a window of steps (robust to a single slow step: a checkpoint, a GC pause).
+    increments once per training step: ``meshrun.parallel.heartbeat()``, which any script can
+    call). `StepTimes` turns consecutive samples into per-step intervals and keeps a median
+    over a window of steps (robust to a single slow step: a checkpoint, a GC pause).
     Accuracy: a step is seen when a tick sees its heartbeat, so one interval is known to about
     one monitor interval; when several steps pass between ticks their average is exact, and
     the median over the window smooths the rest.
 
-Across nodes
-    Each agent publishes its ranks' `StepTime`s (`encode_step_times`), reads the others'
-    (`decode_step_times`, which validates what a store returned), and passes the union over
-    all global ranks to `Stragglers.check`. Every agent then reaches the same verdict; the
-    agent that owns the straggler (or node rank 0) is the one to say so.
+The time waiting, two sources
+    1. **meshrun.parallel's counter** (``wait_ns``: a u64, total nanoseconds the rank spent
+       blocked inside meshrun.parallel's collectives). Exact, on the rank's own clock; only
+       meshrun.parallel's collectives fill it.
+    2. **Arrival times in the collective record**, for every other script (torch's own
+       ``DistributedDataParallel``, whose bucket all-reduces torch's C++ reducer issues;
+       ``fully_shard``; plain ``dist.all_reduce``). Each rank's record (`meshrun.agent.
+       collective_record`) has, per call, its process group, its sequence number in that group
+       and the time the rank *issued* it (torch's flight recorder's ``time_created_ns``, wall
+       clock). Every member issues call n of a group, and none gets past it before the last
+       member issued it, so rank r waited at that call for about ``last issue - r's issue``
+       (`arrival_waits`: per rank, the median of that over the recent calls every member of
+       the group has recorded). The straggler is the last to arrive, call after call: it waits
+       about 0, the others wait about its extra time. This is the wait-state analysis of MPI
+       performance tools: Scalasca's "Wait at N x N" (Geimer et al., "The Scalasca performance
+       toolset architecture", 2010; Böhme et al., "Identifying the root causes of wait states
+       in large-scale parallel applications", ICPP 2010) charges each process of a collective
+       the time from its own arrival to the last one's. The busy time is then ``step interval - that wait`` (`with_arrival_waits`).
 
-Pure logic: no I/O, no clock of its own (times are passed in, seconds, monotonic).
+What it cannot tell
+    - A rank that never calls ``heartbeat()`` has no step interval: it is not timed at all.
+    - Arrivals compare wall clocks: on one host they share a clock; across hosts the
+      comparison is as good as their clock sync (NTP: usually well under the 5 ms that counts,
+      ``min_busy_s``; a host whose clock is off by more than a straggler's excess hides it or
+      makes a false one). meshrun.parallel's counter has no such limit.
+    - A median over calls: slowness that delays fewer than half of a step's calls (one slow
+      layer between two buckets of a backward) is missed; slowness before, after or across the
+      step's collectives (the data loader, the forward, the optimizer, a throttled device) is
+      seen.
+    - The record is copied every half second and keeps the last 32 calls, so with many calls
+      per step the window covers few steps; on NCCL the host issues calls ahead of the device,
+      so issue times show a slow host (data loading, Python), less so a slow GPU whose kernels
+      run later than they were issued.
+    - On gloo torch records no completion time, and none is used here.
+
+Across nodes
+    Each agent publishes its ranks' `StepTime`s and recent arrivals (`encode_step_times`),
+    reads the others' (`decode_step_times`, `decode_arrivals`, which validate what a store
+    returned), and the union over all global ranks goes to `Stragglers.check`. Node rank 0 (or
+    the only node) is the one to say so.
+
+Pure logic: no I/O, no clock of its own (times are passed in, seconds).
 """
 
 from __future__ import annotations
@@ -46,6 +80,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from meshrun.agent.collective_record import parse_ranges
 
 
 class StepTime(NamedTuple):
@@ -100,6 +136,12 @@ class StepTimes:
             self._steps[rank].append(interval)
             self._busy[rank].append(min(busy, interval))
         self._last[rank] = (heartbeats, wait_ns, now)
+
+    def counted(self, rank: int) -> bool:
+        """Whether ``rank``'s wait counter (meshrun.parallel's collectives) has counted any
+        wait: its busy times are measured, and arrivals are not needed for it."""
+        last = self._last.get(rank)
+        return last is not None and last[1] > 0
 
     def forget(self, rank: int | None = None) -> None:
         """Drop ``rank``'s history (None: every rank's), e.g. when a new round starts."""
@@ -207,13 +249,138 @@ class Stragglers:
         self._reported.clear()
 
 
-def encode_step_times(step_times: Mapping[int, StepTime]) -> str:
-    """``step_times`` as JSON for the store: ``{"<rank>": [step_s, busy_s, steps], ...}``."""
-    return json.dumps({str(r): [st.step_s, st.busy_s, st.steps] for r, st in step_times.items()})
+#: Calls of each rank's record that `arrivals_from_record` keeps (and a node publishes).
+ARRIVAL_CALLS = 16
+#: The fewest calls every member recorded before `arrival_waits` gives a rank a wait.
+MIN_ARRIVAL_CALLS = 3
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """When one rank issued its recent collectives (from its collective record).
+
+    Attributes:
+        groups: process group name -> its member ranks (global ranks).
+        calls: (group name, sequence number in the group) -> the time the rank issued the
+            call, seconds (wall clock: torch's flight recorder's ``time_created_ns``).
+    """
+
+    groups: Mapping[str, tuple[int, ...]]
+    calls: Mapping[tuple[str, int], float]
+
+
+def arrivals_from_record(raw: object, last: int = ARRIVAL_CALLS) -> Arrivals | None:
+    """The `Arrivals` in a collective record file's JSON (`meshrun.agent.collective_record`
+    `make_record`: ``{"groups": {name: {"ranks": "0-3", ...}}, "calls": [{"group", "seq",
+    "issued_ms", ...}, ...]}``), its ``last`` calls; None when it is not that shape or has no
+    call with an issue time."""
+    try:
+        groups = {str(n): tuple(parse_ranges(str(g["ranks"]))) for n, g in raw["groups"].items()}
+        calls = {}
+        for c in raw["calls"][-last:] if last > 0 else []:
+            issued = c["issued_ms"]
+            if isinstance(issued, int) and not isinstance(issued, bool) and issued > 0:
+                calls[(str(c["group"]), int(c["seq"]))] = issued / 1000.0
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    return Arrivals(groups, calls) if calls else None
+
+
+def arrival_waits(arrivals: Mapping[int, Arrivals]) -> dict[int, float]:
+    """Rank -> the median time it waited for the last member to arrive, seconds, over the
+    calls that every member of their group has in ``arrivals`` (at least
+    `MIN_ARRIVAL_CALLS`); a call's wait is the last member's issue time less this rank's. A
+    group some member of which has no `Arrivals` here is left out (its last arrival is not
+    known), and so is a rank with too few calls.
+
+    Args:
+        arrivals: global rank -> its `Arrivals` (every rank of the job that has a record).
+    """
+    waits: dict[int, list[float]] = {}
+    names = {name for a in arrivals.values() for name in a.groups}
+    for name in sorted(names):
+        members = next(a.groups[name] for a in arrivals.values() if name in a.groups)
+        if len(members) < 2 or any(r not in arrivals for r in members):
+            continue
+        seqs = None
+        for r in members:
+            mine = {seq for (g, seq) in arrivals[r].calls if g == name}
+            seqs = mine if seqs is None else seqs & mine
+        for seq in sorted(seqs or ()):
+            issued = {r: arrivals[r].calls[(name, seq)] for r in members}
+            last_in = max(issued.values())
+            for r, t in issued.items():
+                waits.setdefault(r, []).append(last_in - t)
+    return {r: statistics.median(w) for r, w in waits.items() if len(w) >= MIN_ARRIVAL_CALLS}
+
+
+def with_arrival_waits(
+    step_times: Mapping[int, StepTime], waits: Mapping[int, float]
+) -> dict[int, StepTime]:
+    """``step_times`` with the busy time of each rank in ``waits`` (`arrival_waits`) set to
+    its step interval less that wait (within [0, step_s]); the other ranks as they are."""
+    out = dict(step_times)
+    for rank, wait in waits.items():
+        st = out.get(rank)
+        if st is not None:
+            out[rank] = StepTime(st.step_s, min(st.step_s, max(0.0, st.step_s - wait)), st.steps)
+    return out
+
+
+def encode_step_times(
+    step_times: Mapping[int, StepTime], arrivals: Mapping[int, Arrivals] | None = None
+) -> str:
+    """``step_times`` as JSON for the store: ``{"<rank>": [step_s, busy_s, steps], ...}``,
+    and with ``arrivals`` a key ``"calls"``: ``{"<rank>": {"g": {name: [ranks]}, "c":
+    [[name, seq, issued_ms], ...]}}`` (what `decode_arrivals` reads)."""
+    out: dict = {str(r): [st.step_s, st.busy_s, st.steps] for r, st in step_times.items()}
+    if arrivals:
+        out["calls"] = {
+            str(r): {"g": {n: list(m) for n, m in a.groups.items()},
+                     "c": [[g, seq, round(t * 1000)] for (g, seq), t in a.calls.items()]}
+            for r, a in arrivals.items()
+        }  # fmt: skip
+    return json.dumps(out)
+
+
+def decode_arrivals(text: str | bytes) -> dict[int, Arrivals]:
+    """The ``"calls"`` part of an `encode_step_times` value ({} when it has none).
+
+    Raises:
+        ValueError: not JSON, or a rank, group or call that is not of that shape.
+    """
+    try:
+        raw = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"step times: not JSON ({e})") from None
+    calls = raw.get("calls", {}) if isinstance(raw, dict) else None
+    if not isinstance(calls, dict):
+        raise ValueError('step times: expected an object with "calls" of rank -> arrivals')
+    out = {}
+    for key, value in calls.items():
+        try:
+            if not (isinstance(key, str) and key.isdigit()):
+                raise TypeError
+            groups = {}
+            for name, members in value["g"].items():
+                if not all(isinstance(m, int) and not isinstance(m, bool) and m >= 0
+                           for m in members):  # fmt: skip
+                    raise TypeError
+                groups[str(name)] = tuple(members)
+            issued = {}
+            for g, seq, ms in value["c"]:
+                if not (isinstance(seq, int) and isinstance(ms, int) and seq >= 0 and ms > 0):
+                    raise TypeError
+                issued[(str(g), seq)] = ms / 1000.0
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise ValueError(f"step times: rank {key}: bad arrivals") from None
+        out[int(key)] = Arrivals(groups, issued)
+    return out
 
 
 def decode_step_times(text: str | bytes) -> dict[int, StepTime]:
-    """The inverse of `encode_step_times`, validated (a value read from a store).
+    """The inverse of `encode_step_times` without its arrivals, validated (a value read from
+    a store).
 
     Raises:
         ValueError: not that JSON shape, a negative rank or count, or a time that is negative,
@@ -227,6 +394,8 @@ def decode_step_times(text: str | bytes) -> dict[int, StepTime]:
         raise ValueError("step times: expected an object of rank -> [step_s, busy_s, steps]")
     out = {}
     for key, value in raw.items():
+        if key == "calls":
+            continue  # the arrivals: `decode_arrivals`
         if not (isinstance(key, str) and key.isdigit()):
             raise ValueError(f"step times: bad rank {key!r}")
         if not (isinstance(value, list) and len(value) == 3):

@@ -207,20 +207,28 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
 def _step_times(store, prefix: str, round: int, num_nodes: int) -> list[str]:
     """Each rank's recent step time and busy time (what the straggler check sees; published by
     every node's agent every few seconds), or nothing before the first steps."""
-    from meshrun.agent.stragglers import decode_step_times
+    from meshrun.agent.stragglers import (
+        arrival_waits,
+        decode_arrivals,
+        decode_step_times,
+        with_arrival_waits,
+    )
     from meshrun.rendezvous.protocol import steps_key
 
-    times = {}
+    times, arrivals = {}, {}
     for node_rank in range(num_nodes):
         item = store.get(steps_key(prefix, round, node_rank))
         if item is None:
             continue
         try:
-            times.update(decode_step_times(item.value))
+            node_times, node_arrivals = decode_step_times(item.value), decode_arrivals(item.value)
         except ValueError:
             continue  # a malformed value: that node's ranks are left out
+        times.update(node_times)
+        arrivals.update(node_arrivals)
     if not times:
         return []
+    times = with_arrival_waits(times, arrival_waits(arrivals))  # ranks no counter timed
     lines = ["step times (median of recent steps; busy = not waiting for peers):"]
     for rank, t in sorted(times.items()):
         lines.append(

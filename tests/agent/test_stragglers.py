@@ -1,17 +1,26 @@
-"""`StepTimes` and `Stragglers`: busy time per step, and the rank its peers wait for."""
+"""`StepTimes` and `Stragglers`: busy time per step, and the rank its peers wait for; from
+meshrun.parallel's wait counter, or from the arrivals in the collective record (any script
+that calls ``heartbeat()``: torch's own DDP, end to end)."""
 
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import pytest
 
 from meshrun.agent.stragglers import (
+    Arrivals,
     StepTime,
     StepTimes,
     Stragglers,
+    arrival_waits,
+    arrivals_from_record,
+    decode_arrivals,
     decode_step_times,
     encode_step_times,
+    with_arrival_waits,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -150,3 +159,115 @@ def test_bad_arguments():
         Stragglers(factor=1.0)
     with pytest.raises(ValueError):
         Stragglers(min_steps=0)
+
+
+# --- arrivals: any script that beats (torch's DDP, fully_shard, plain dist calls) -----------
+
+
+def _arrivals(groups, issued):
+    """``issued``: {(group, seq): seconds}; ``groups``: {name: ranks}."""
+    return Arrivals({n: tuple(m) for n, m in groups.items()}, issued)
+
+
+def test_the_last_to_arrive_waits_least_and_the_others_wait_for_it():
+    # rank 2 issues every call 0.15 s after ranks 0 and 1
+    arrivals = {
+        r: _arrivals({"0": [0, 1, 2]},
+                     {("0", seq): 10.0 + seq * 0.2 + (0.15 if r == 2 else 0.001 * r)
+                      for seq in range(1, 9)})
+        for r in range(3)
+    }  # fmt: skip
+    waits = arrival_waits(arrivals)
+    assert waits[2] == pytest.approx(0.0)
+    assert waits[0] == pytest.approx(0.15) and waits[1] == pytest.approx(0.149)
+    times = {r: StepTime(0.2, 0.2, 40) for r in range(3)}  # no counter: busy = the interval
+    adjusted = with_arrival_waits(times, waits)
+    assert adjusted[2].busy_s == pytest.approx(0.2) and adjusted[0].busy_s == pytest.approx(0.05)
+    detect = Stragglers(min_steps=1)
+    assert [s.rank for s in detect.check(adjusted)] == [2]
+    assert Stragglers(min_steps=1).check(times) == []  # without arrivals: nothing to tell
+
+
+def test_arrivals_compare_only_calls_every_member_recorded():
+    # rank 1's record lags: its newest calls are not in it yet; rank 0's oldest fell out
+    a0 = _arrivals({"0": [0, 1]}, {("0", s): 1.0 * s for s in range(3, 10)})
+    a1 = _arrivals({"0": [0, 1]}, {("0", s): 1.0 * s + 0.1 for s in range(1, 7)})
+    waits = arrival_waits({0: a0, 1: a1})
+    assert waits == {0: pytest.approx(0.1), 1: pytest.approx(0.0)}
+    # a member without a record: its group cannot be compared (its arrival is unknown)
+    three = _arrivals({"0": [0, 1, 2]}, {("0", s): 1.0 * s for s in range(1, 9)})
+    assert arrival_waits({0: three, 1: three}) == {}
+    # too few common calls
+    few = {0: _arrivals({"0": [0, 1]}, {("0", 1): 1.0, ("0", 2): 2.0}),
+           1: _arrivals({"0": [0, 1]}, {("0", 1): 1.1, ("0", 2): 2.1})}  # fmt: skip
+    assert arrival_waits(few) == {}
+
+
+def test_arrivals_per_group_and_through_the_store():
+    # two groups: in "1" (ranks 0, 1) rank 1 is late; in "2" (ranks 2, 3) nobody is
+    def rank(r):
+        group = "1" if r < 2 else "2"
+        late = 0.08 if r == 1 else 0.0
+        return _arrivals(
+            {group: [0, 1] if r < 2 else [2, 3]},
+            {(group, s): 5.0 + s * 0.1 + late for s in range(1, 6)},
+        )
+
+    arrivals = {r: rank(r) for r in range(4)}
+    text = encode_step_times({r: StepTime(0.1, 0.1, 5) for r in range(4)}, arrivals)
+    assert decode_step_times(text) == {r: StepTime(0.1, 0.1, 5) for r in range(4)}
+    back = decode_arrivals(text)
+    assert back.keys() == arrivals.keys()
+    assert back[1].groups == {"1": (0, 1)} and back[1].calls[("1", 3)] == pytest.approx(5.38)
+    waits = arrival_waits(back)
+    assert waits[0] == pytest.approx(0.08) and waits[1] == pytest.approx(0.0)
+    assert waits[2] == pytest.approx(0.0) and waits[3] == pytest.approx(0.0)
+    assert decode_arrivals(encode_step_times({0: StepTime(0.1, 0.1, 5)})) == {}
+
+
+def test_arrivals_from_a_record_file():
+    raw = {"pid": 1, "written_ms": 0, "groups": {"0": {"ranks": "0-2", "issued": 9, "done": 8}},
+           "calls": [{"group": "0", "seq": s, "op": "all_reduce", "args": "float[8]",
+                      "issued_ms": 1000 + s} for s in range(1, 21)]}  # fmt: skip
+    a = arrivals_from_record(raw, last=4)
+    assert a.groups == {"0": (0, 1, 2)}
+    assert sorted(a.calls) == [("0", s) for s in range(17, 21)]
+    assert a.calls[("0", 20)] == pytest.approx(1.020)
+    assert arrivals_from_record({"groups": {}, "calls": []}) is None
+    assert arrivals_from_record("garbage") is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"calls": []}', '{"calls": {"x": {"g": {}, "c": []}}}', '{"calls": {"0": {"g": {}}}}',
+     '{"calls": {"0": {"g": {"0": [-1]}, "c": []}}}', '{"calls": {"0": {"g": {}, "c": [[1]]}}}',
+     '{"calls": {"0": {"g": {}, "c": [["0", 1, "x"]]}}}', "nope"],
+)  # fmt: skip
+def test_bad_arrivals_from_the_store_are_refused(text):
+    with pytest.raises(ValueError, match="step times"):
+        decode_arrivals(text)
+
+
+SCRIPTS = Path(__file__).parent / "e2e_scripts"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("slow", [2, -1])
+def test_torch_ddp_that_beats_gets_a_straggler_line_and_a_balanced_run_none(launch, slow):
+    """torch's own DistributedDataParallel on gloo, 3 ranks, heartbeat() each step and
+    nothing else of meshrun: rank 2 sleeps 0.15 s more before each forward. Every rank's
+    step interval is the same and no meshrun counter measures a wait; the arrivals in the
+    collective record name rank 2, once; the balanced run gets no line."""
+    result = launch.run(["--nproc-per-node", "3", "--hang-timeout", "30",
+                         str(SCRIPTS / "ddp_straggler.py"), str(slow), "60"], timeout=140)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "is a straggler" in line]
+    if slow < 0:
+        assert warnings == [], result.stderr
+        return
+    assert len(warnings) == 1, result.stderr
+    m = re.search(r"rank 2 is a straggler: busy ([\d.]+) ms of each ([\d.]+) ms step, the other "
+                  r"ranks' median ([\d.]+) ms", warnings[0])  # fmt: skip
+    assert m, warnings
+    busy, step, median = map(float, m.groups())
+    assert busy >= 150 and median < busy / 2 and step >= busy, warnings
