@@ -74,11 +74,14 @@ class Recorder:
         self._seen = -1  # the newest ring entry (record_id) at the last look
         self._cutoff: dict[str, int] = {}  # group name -> its entries up to here: destroyed
         self._torch = _door()  # raises when meshrun/_torch.py cannot be loaded
+        self._start_thread = _signals().start_thread  # and meshrun/worker_signals.py
         self._thread = threading.Thread(target=self._run, name="meshrun-collective-record",
                                         daemon=True)  # fmt: skip
 
     def start(self) -> Recorder:
-        self._thread.start()
+        # every signal blocked in the thread, so a signal the script blocked (to sigwait for
+        # it) waits for the script instead of killing the worker here (exit 138 for SIGUSR1)
+        self._start_thread(self._thread)
         atexit.register(self.stop)
         return self
 
@@ -257,15 +260,27 @@ def parse_ranges(text: str) -> list[int]:
 def _door():
     """``meshrun/_torch.py``: the package's module where meshrun is imported as a package,
     else loaded by path (as ``_meshrun_torch``) from beside this file's folder."""
-    if __package__ == "meshrun.agent":
-        from meshrun import _torch
+    return _sibling("_torch")
 
-        return _torch
-    if "_meshrun_torch" in sys.modules:
-        return sys.modules["_meshrun_torch"]
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_torch.py")
-    spec = importlib.util.spec_from_file_location("_meshrun_torch", path)
+
+def _signals():
+    """``meshrun/worker_signals.py`` (`start_thread`), found the same way as `_door`."""
+    return _sibling("worker_signals")
+
+
+def _sibling(name: str):
+    """The top-level module ``meshrun.<name>`` (standard library only at import): imported
+    where meshrun is imported as a package, else loaded by path from beside this file's
+    folder, once per process, as ``_meshrun_torch`` / ``_meshrun_worker_signals`` (the name
+    the worker site gives the same file, so the site's copy is the one used)."""
+    if __package__ == "meshrun.agent":
+        return importlib.import_module(f"meshrun.{name}")
+    alias = f"_meshrun_{name.lstrip('_')}"
+    if alias in sys.modules:
+        return sys.modules[alias]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(alias, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules["_meshrun_torch"] = module
+    sys.modules[alias] = module
     return module

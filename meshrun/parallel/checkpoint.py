@@ -29,6 +29,14 @@ its parameter, and atomic saves:
 - `load` checks the files first: a damaged or truncated checkpoint is one error naming the
   file.
 - `latest(directory)` finds the newest complete ``step_<N>`` checkpoint, for resuming.
+- A save or load counts as progress for ``meshrun --hang-timeout`` (`meshrun.parallel.busy`),
+  for at most ``busy_timeout`` seconds (`busy_bound`): by default the
+  ``MESHRUN_CHECKPOINT_TIMEOUT`` variable, else torch's default process-group timeout, 30
+  minutes (``torch.distributed.constants.default_pg_timeout``: as long as torch lets one of
+  DCP's collectives wait before it raises, so a save torch itself would let run is never
+  called hung). A save that hangs (a rank stuck in a write, or one that never reaches the
+  save's collectives) is then reported as a hang within the bound plus ``--hang-timeout``.
+  The bound does not stop the save; a save known to take long passes a larger one.
 
 Typical use, on every rank (both calls are collectives over the default group)::
 
@@ -50,6 +58,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import functools
+import math
 import os
 import re
 import sys
@@ -71,7 +81,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshrun import _torch
+from meshrun import _torch, worker_signals
 from meshrun.parallel import atomic_dir, placement
 from meshrun.parallel.atomic_dir import SaveInProgress
 from meshrun.parallel.heartbeat import busy
@@ -81,10 +91,53 @@ __all__ = ["AsyncSave", "ModelState", "OptimizerState", "SaveInProgress",
            "wait"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: The variable that sets `busy_bound`'s default: seconds, or "inf" for no bound.
+BUSY_TIMEOUT_ENV = "MESHRUN_CHECKPOINT_TIMEOUT"
+#: `busy_bound`'s default without the variable: torch's default process-group timeout (s).
+DEFAULT_BUSY_TIMEOUT_S = dist.constants.default_pg_timeout.total_seconds()
 
 
-@busy("checkpoint save")
-def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> AsyncSave | None:
+def busy_bound(busy_timeout: float | None = None) -> float:
+    """Seconds a checkpoint save or load counts as progress for ``--hang-timeout``.
+
+    Args:
+        busy_timeout: seconds (> 0; ``math.inf``: no bound), or None for the default:
+            ``MESHRUN_CHECKPOINT_TIMEOUT`` (seconds, or "inf"), else `DEFAULT_BUSY_TIMEOUT_S`
+            (torch's default process-group timeout, 1800 s).
+
+    Raises:
+        ValueError: a bound that is not a number > 0 (the argument or the variable).
+    """
+    where = "busy_timeout"
+    if busy_timeout is None:
+        text = os.environ.get(BUSY_TIMEOUT_ENV, "").strip()
+        if not text:
+            return DEFAULT_BUSY_TIMEOUT_S
+        where = BUSY_TIMEOUT_ENV
+        try:
+            busy_timeout = float(text)
+        except ValueError:
+            busy_timeout = math.nan
+    if not (isinstance(busy_timeout, (int, float)) and busy_timeout > 0):
+        raise ValueError(f"checkpoint: {where} must be seconds > 0 (or inf: no bound), got "
+                         f"{busy_timeout!r}")
+    return float(busy_timeout)
+
+
+def _progress_for(what: str):
+    """Run the decorated call inside `busy` (``what``), bounded by its ``busy_timeout``."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with busy(what, timeout=busy_bound(kwargs.get("busy_timeout"))):
+                return fn(*args, **kwargs)
+        return call
+    return decorate
+
+
+@_progress_for("checkpoint save")
+def save(state: dict, path: str | os.PathLike, *, async_: bool = False,
+         busy_timeout: float | None = None) -> AsyncSave | None:
     """Write ``state`` to the directory ``path``, atomically; a collective over all ranks.
 
     Reads only: the model, the optimizer and the random state are left exactly as they were.
@@ -102,6 +155,9 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
         async_: copy this rank's blocks to host memory, return, and write them on a background
             thread (over a process group of its own, so training's collectives go on). The
             next `save`, or `wait()`, joins it and raises its error.
+        busy_timeout: seconds the call counts as progress for ``meshrun --hang-timeout``
+            (`busy_bound`; None: ``MESHRUN_CHECKPOINT_TIMEOUT``, else 1800 s). With
+            ``async_`` it bounds the foreground part only.
 
     Returns:
         None; with ``async_``, the `AsyncSave` handle (``handle.wait()``).
@@ -114,12 +170,14 @@ def save(state: dict, path: str | os.PathLike, *, async_: bool = False) -> Async
         ValueError: optimizer state that cannot be resharded (see `optimizer_state`).
         SaveInProgress: another job (or an unjoined save) is writing into ``path``'s parent
             directory.
+        ValueError: ``busy_timeout`` (or ``MESHRUN_CHECKPOINT_TIMEOUT``) is not seconds > 0.
         OSError: the filesystem refused a write (every rank raises; ``path`` is untouched).
 
     Cost: every rank writes its own blocks (bytes held / write bandwidth) in parallel, plus
     four small collectives (lock outcome, plans, metadata, rename outcome). Asynchronous: the
     training loop pays one host copy of the rank's blocks.
     """
+    del busy_timeout  # the decorator's (`_progress_for`)
     wait()  # one save at a time: the previous background write finishes first
     path = os.path.abspath(os.fspath(path))
     group = _background_group() if async_ else None  # collective: before anything can fail
@@ -164,7 +222,7 @@ class AsyncSave:
         self.path, self._lock, self._error = path, lock, None
         self._thread = threading.Thread(target=self._run, args=(staged, group),
                                         name="meshrun-checkpoint", daemon=True)
-        self._thread.start()
+        worker_signals.start_thread(self._thread)  # every signal blocked: the script's
 
     def _run(self, staged: dict, group) -> None:
         try:
@@ -218,8 +276,8 @@ _pending: AsyncSave | None = None
 _group = None  # the background saves' own process group, made at the first
 
 
-@busy("checkpoint load")
-def load(state: dict, path: str | os.PathLike) -> None:
+@_progress_for("checkpoint load")
+def load(state: dict, path: str | os.PathLike, *, busy_timeout: float | None = None) -> None:
     """Load the checkpoint at ``path`` into ``state``, in place; a collective over all ranks.
 
     Tensors (and the blocks of `ModelState` / `OptimizerState`) are filled in place with the
@@ -234,13 +292,17 @@ def load(state: dict, path: str | os.PathLike) -> None:
             it (relative) and their sizes (None: not a tensor), to make them.
         path: a checkpoint directory (e.g. ``latest(directory)``, after checking it is not
             None).
+        busy_timeout: seconds the call counts as progress for ``meshrun --hang-timeout``
+            (`busy_bound`; None: ``MESHRUN_CHECKPOINT_TIMEOUT``, else 1800 s).
 
     Raises:
         FileNotFoundError: ``path`` is None, or holds no complete checkpoint.
         RuntimeError: ``state`` has a key the checkpoint lacks (the message names it).
         ValueError: a tensor's global shape differs from the saved one (another model).
         OSError: a file could not be read.
+        ValueError: ``busy_timeout`` (or ``MESHRUN_CHECKPOINT_TIMEOUT``) is not seconds > 0.
     """
+    del busy_timeout  # the decorator's (`_progress_for`)
     wait()  # a background save of this job finishes first
     if path is None:
         raise FileNotFoundError("checkpoint.load: no checkpoint path (latest() found none: "

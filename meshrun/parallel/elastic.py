@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun import _torch, in_place
+from meshrun import _torch, in_place, worker_signals
 from meshrun.parallel._sockets import note_world_sockets, shut_down_world_sockets, tcp_connections
 from meshrun.parallel.fsdp.copies import Copies, NotCovered, _stateful
 from meshrun.peer_lost import PEER_LOST
@@ -231,7 +231,7 @@ class _OfferWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(round,), daemon=True,
                                         name="meshrun-elastic-offer-watch")
-        self._thread.start()
+        worker_signals.start_thread(self._thread)  # every signal blocked: the script's
 
     def _run(self, round: int) -> None:
         seen_at = grace = None

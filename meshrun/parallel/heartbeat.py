@@ -20,16 +20,16 @@ waiting for its peers (a straggler waits least). Without the variable (plain pyt
 all of it does nothing; nor inside a ``torch.compile`` trace (collectives traced into a graph,
 TP's in a compiled block, are not counted: an mmap cannot be traced).
 
-`register_stack_dump()` (called by ``meshrun.parallel.init()``) arms Python's ``faulthandler``
-on ``MESHRUN_STACK_SIGNAL`` to write every thread's stack to ``MESHRUN_STACK_FILE``, which the
-agent reads when a rank is hung or stopped after a failure. The file exists only once armed, so
-the agent never sends the signal to a process that would die of it.
+`register_stack_dump()` (called by ``meshrun.parallel.init()``; meshrun's worker site does the
+same for every Python worker) arms Python's ``faulthandler`` on ``MESHRUN_STACK_SIGNAL`` to
+write every thread's stack to ``MESHRUN_STACK_FILE``, which the agent reads when a rank is hung
+or stopped after a failure. The file exists only once armed, and the agent signals only a
+process that handles the signal, so it never sends it to a process that would die of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import mmap
 import os
 import threading
@@ -38,13 +38,14 @@ from collections.abc import Iterator
 
 import torch
 
+from meshrun import worker_signals
+
 #: Bytes of the progress file: five uint64 slots (see the module docstring).
 PROGRESS_BYTES = 40
 _HEARTBEATS, _BUSY, _ISSUED, _BLOCKED, _BLOCKED_NS = 0, 8, 16, 24, 32
 
 _progress: mmap.mmap | None | bool = None  # None: not opened yet; False: no channel
 _lock = threading.Lock()  # slots written from a busy() thread and the main thread
-_stack_file = None  # kept open: faulthandler writes to its file descriptor
 
 
 def heartbeat() -> None:
@@ -87,7 +88,7 @@ def busy(what: str = "work", *, interval: float = 0.25, timeout: float | None = 
 
     thread = threading.Thread(target=beat, name="meshrun-busy", daemon=True)
     _bump(_BUSY, 1)
-    thread.start()
+    worker_signals.start_thread(thread)  # every signal blocked: they stay the script's
     try:
         yield
     finally:
@@ -153,18 +154,9 @@ def register_stack_dump() -> bool:
     """Arm faulthandler so the agent can ask for this process's stacks; idempotent.
 
     Returns True when armed (the agent asked for it through ``MESHRUN_STACK_FILE`` and
-    ``MESHRUN_STACK_SIGNAL``), False otherwise. Mirrors what ``py-spy dump`` gives, from inside.
+    ``MESHRUN_STACK_SIGNAL``), False otherwise (under torchrun). Mirrors what ``py-spy dump``
+    gives, from inside. meshrun's worker site arms every Python worker it starts already
+    (`meshrun.worker_signals.arm_stack_dump`, the one place it is done); this call covers a
+    worker whose site did not run (``python -S``, a ``PYTHONPATH`` the script replaced).
     """
-    global _stack_file
-    if _stack_file is not None:
-        return True
-    path, signum = os.environ.get("MESHRUN_STACK_FILE"), os.environ.get("MESHRUN_STACK_SIGNAL")
-    if not path or not signum:
-        return False
-    try:
-        stack_file = open(path, "w")  # noqa: SIM115 - must stay open for faulthandler
-        faulthandler.register(int(signum), file=stack_file, all_threads=True)
-    except (OSError, ValueError, RuntimeError):
-        return False
-    _stack_file = stack_file
-    return True
+    return worker_signals.arm_stack_dump()

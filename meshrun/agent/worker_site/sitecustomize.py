@@ -3,9 +3,12 @@
 1. Installs `meshrun.exit_guard` (loaded by path: the worker's interpreter need not have
    meshrun installed, and the ``meshrun`` package is not imported), so a script that finished
    its work is not killed by torch's native threads at interpreter exit.
-2. Starts the collective record's thread (`meshrun.agent.collective_record.Recorder`, loaded the
+2. Arms ``faulthandler`` on meshrun's stack signal (`meshrun.worker_signals.arm_stack_dump`,
+   loaded the same way), so the agent gets the worker's Python stacks without ptrace rights,
+   for every Python worker, whether or not the script uses ``meshrun.parallel``.
+3. Starts the collective record's thread (`meshrun.agent.collective_record.Recorder`, loaded the
    same way) when the agent asked for it (``MESHRUN_COLLECTIVE_RECORD``).
-3. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
+4. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
    have run without it (the next one on ``sys.path``), so the script sees the path and the
    start-up it would see under torchrun.
 
@@ -43,6 +46,10 @@ def _meshrun_worker_site() -> None:
         guard = _meshrun_load("_meshrun_exit_guard", guard_file)
         if guard is not None:
             guard.install()
+    signals = _meshrun_load("_meshrun_worker_signals",
+                            os.path.join(os.path.dirname(agent_dir), "worker_signals.py"))
+    if signals is not None:
+        signals.arm_stack_dump()
     if os.environ.get("MESHRUN_COLLECTIVE_RECORD", "0") != "0":
         record = _meshrun_load("_meshrun_collectives",
                                os.path.join(agent_dir, "collective_record.py"))
