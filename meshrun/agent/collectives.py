@@ -83,13 +83,16 @@ def _looked_after(path: Path, since: float) -> bool:
 @dataclass(frozen=True)
 class Call:
     """One collective a rank issued: its group's name, its number in that group (from 1), op,
-    arguments ("float[4, 3]"), and whether the group has completed it on this rank."""
+    arguments ("float[4, 3]"), whether the group has completed it on this rank (as far as
+    torch's ring knows: see `Group.tracks_done`), and its call site ("train.py:42 in step";
+    "" where the record has none)."""
 
     group: str
     seq: int
     op: str
     args: str
     done: bool
+    at: str = ""
 
     @property
     def kind(self) -> tuple[str, str]:
@@ -107,11 +110,21 @@ SAME_ARGS = frozenset({"all_reduce", "broadcast", "reduce", "barrier"})
 
 @dataclass(frozen=True)
 class Group:
-    """A process group as one rank sees it: members, last call numbers issued and completed."""
+    """A process group as one rank sees it: members, last call numbers issued and completed,
+    and its backend as torch's ring names it ("gloo", "nccl"; "" when unknown)."""
 
     ranks: tuple[int, ...]
     issued: int
     done: int
+    backend: str = ""
+
+    @property
+    def tracks_done(self) -> bool:
+        """Whether ``done`` is a completion the backend reported for every call. NCCL's ring
+        marks each call completed when its kernel finishes. gloo's (torch 2.13) marks only the
+        calls a synchronous API waited for: an ``async_op=True`` call, as DDP's reducer makes,
+        stays "scheduled" after it completed, so ``done < issued`` tells nothing there."""
+        return self.backend == "nccl"
 
 
 @dataclass(frozen=True)
@@ -145,9 +158,9 @@ def summary(record: Record | None) -> dict:
     keep = set(record.calls[-SUMMARY_CALLS:]) | set(last_of_group.values())
     calls = [c for c in record.calls if c in keep]
     return {
-        "groups": {n: {"ranks": ranges(g.ranks), "issued": g.issued, "done": g.done}
-                   for n, g in record.groups.items()},
-        "calls": [[c.group, c.seq, c.op, c.args] for c in calls],
+        "groups": {n: {"ranks": ranges(g.ranks), "issued": g.issued, "done": g.done,
+                       "backend": g.backend} for n, g in record.groups.items()},
+        "calls": [[c.group, c.seq, c.op, c.args, c.at] for c in calls],
     }  # fmt: skip
 
 
@@ -156,35 +169,71 @@ def from_summary(data: object) -> Record | None:
     if not isinstance(data, dict) or not data:
         return None
     try:
-        calls = [{"group": g, "seq": s, "op": o, "args": a} for g, s, o, a in data["calls"]]
+        calls = [{"group": c[0], "seq": c[1], "op": c[2], "args": c[3],
+                  "at": c[4] if len(c) > 4 else ""} for c in data["calls"]]  # fmt: skip
         return _parse({"groups": data["groups"], "calls": calls})
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
         return None
 
 
 def _parse(raw: dict) -> Record:
     groups = {
-        str(name): Group(tuple(parse_ranges(str(g["ranks"]))), int(g["issued"]), int(g["done"]))
+        str(name): Group(tuple(parse_ranges(str(g["ranks"]))), int(g["issued"]), int(g["done"]),
+                         str(g.get("backend", "")))
         for name, g in raw["groups"].items()
-    }
+    }  # fmt: skip
     calls = []
     for c in raw["calls"]:
         name, seq = str(c["group"]), int(c["seq"])
         done = name in groups and seq <= groups[name].done
-        calls.append(Call(name, seq, str(c["op"]), str(c["args"]), done))
+        calls.append(Call(name, seq, str(c["op"]), str(c["args"]), done, str(c.get("at") or "")))
     return Record(groups, tuple(calls))
 
 
-def describe_recent(record: Record | None, n: int = 3) -> str:
+def describe_recent(record: Record | None, n: int = 3, pending: Call | None = None) -> str:
     """A rank's last ``n`` calls in a few words: "all_reduce #39, broadcast #40 (in progress)",
-    each call outside the default group "0" followed by its group; "" when none is recorded."""
+    each call outside the default group "0" followed by its group; "" when none is recorded.
+    The call marked in progress is ``pending`` (`pending_call`: the record's evidence that it
+    has not completed), not every call the ring left "scheduled"."""
     if record is None:
         return ""
     parts = []
     for c in record.calls[-n:]:
         group = "" if c.group == "0" else f" of group {c.group}"
-        parts.append(f"{c.op} #{c.seq}{group}" + ("" if c.done else " (in progress)"))
+        mark = " (in progress)" if pending is not None and c == pending else ""
+        parts.append(f"{c.op} #{c.seq}{group}{mark}")
     return ", ".join(parts)
+
+
+def pending_call(rank: int, records: dict[int, Record]) -> Call | None:
+    """The collective ``rank`` waits in, in progress or queued, by its record and its peers',
+    or None when the records show none (a rank in its own code, or no record).
+
+    Call n of a group is pending on a rank that issued it when the record proves that it
+    cannot have completed: the backend tracks completion and has not marked it
+    (`Group.tracks_done`: NCCL), or a member of the group has not issued call n yet, or
+    issued another call as number n (a mismatch: gloo and NCCL then wait until their
+    timeout). Where neither holds (gloo, every member at the same call) the record cannot
+    tell a completed call from one in progress, and None leaves the rank's place to its stack.
+    The rank's Python frame does not matter: DDP's reducer issues its all-reduces from
+    autograd's threads while the main thread sits in ``backward``.
+    """
+    mine = records.get(rank)
+    if mine is None:
+        return None
+    for name in sorted(mine.groups, key=_group_order):
+        group = mine.groups[name]
+        n = group.issued
+        if n <= 0:
+            continue
+        call = mine.call(name, n) or Call(name, n, "a collective", "", False)
+        peers = [rec for r, rec in records.items() if r != rank and r in group.ranks]
+        not_done = group.tracks_done and group.done < n
+        behind = any(rec.groups[name].issued < n if name in rec.groups else True for rec in peers)
+        other = any((c := rec.call(name, n)) is not None and c.kind != call.kind for rec in peers)
+        if not_done or behind or other:
+            return call
+    return None
 
 
 @dataclass(frozen=True)
@@ -197,6 +246,8 @@ class Disagreement:
     line: str
     culprits: tuple[int, ...]
     behind: bool = False
+    #: the op of the call the others made (a mismatch's larger side) or wait in (behind)
+    against: str = ""
 
 
 def first_disagreement(
@@ -254,7 +305,7 @@ def _mismatch(name: str, records: dict[int, Record], sites: dict[int, str]) -> D
             odd = sides[-1][0]
             culprits = tuple(sorted(r for r, c in calls.items() if c.kind == odd))
         line = f"in group {name}, " + parts[-1] + " while " + "; ".join(parts[:-1])
-        return Disagreement(line, culprits)
+        return Disagreement(line, culprits, against=sides[0][0][0])
     return None
 
 
@@ -269,8 +320,11 @@ def _behind(
     if len(issued) < 2:
         return None
     front = max(issued.values())
-    # at the front and inside its call: not completed, or died in a collective (a timed-out
-    # call counts as completed in torch's ring)
+    # at the front and inside its call: not marked completed (gloo never marks an async
+    # call, so that proves nothing either way, but the call cannot complete while a member
+    # has not issued it), or waiting or died inside a collective by its stack or traceback
+    # (a timed-out call counts as completed in torch's ring); a call marked completed with
+    # no such place means the rank behind has a stale record
     waiting = sorted(
         r for r, n in issued.items()
         if n == front and r not in died and (records[r].groups[name].done < front or r in sites)
@@ -293,7 +347,7 @@ def _behind(
             f"(ranks {ranges(group_ranks)}), where {_ranks_word(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'}{where}; "
             f"last call there: {'; '.join(lasts)}")  # fmt: skip
-    return Disagreement(line, tuple(behind), behind=True)
+    return Disagreement(line, tuple(behind), behind=True, against=call.op if call else "")
 
 
 # torch's fingerprint check (TORCH_DISTRIBUTED_DEBUG=DETAIL, meshrun --desync-check) raises
@@ -341,9 +395,14 @@ def _call_text(c: Call) -> str:
 
 
 def _site(ranks: list[int], sites: dict[int, str], records: dict[int, Record], call: Call) -> str:
-    """Where the call was made, as " at train.py:13 in step", or "": the place of the first of
-    ``ranks`` that is (or died) inside a collective (``sites``) and whose latest call in the
-    group is this one."""
+    """Where the call was made, as " at train.py:13 in step", or "": the call site the record
+    kept for it (the innermost frame of the user's code when the call was issued), else the
+    place of the first of ``ranks`` that is (or died) inside a collective (``sites``) and
+    whose latest call in the group is this one."""
+    for r in ranks:
+        mine = records[r].call(call.group, call.seq)
+        if mine is not None and mine.at:
+            return f" at {mine.at}"
     for r in ranks:
         last = records[r].last_in(call.group)
         if sites.get(r) and last is not None and last.seq == call.seq:

@@ -44,6 +44,7 @@ __all__ = [
     "disagreement",
     "format_places",
     "format_report",
+    "placed",
     "read_error_file",
     "root_cause",
 ]
@@ -250,16 +251,75 @@ def root_cause(failures: Iterable[WorkerFailure]) -> WorkerFailure:
     return own[0]
 
 
-def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
-    """The global ranks that most likely caused the failure, and why: the ranks outside any
-    collective while others wait, else those behind in collectives issued, else those in a
-    different collective (`attribute`), judged over every record that says where its rank
-    was; the collective record's first disagreement (`disagreement`) overrules the last two.
-    A rank that failed inside a collective (its traceback has a ``torch.distributed``
-    collective frame) counts as waiting."""
-    from meshrun.agent.stacks import classify, traceback_frames
+def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
+    """``failures`` with each hung or stopped rank's place decided from data: the collective
+    record first, then the stack.
+
+    A rank whose record shows a collective pending (`meshrun.agent.collectives.pending_call`:
+    in progress or queued, which the record proves by a peer that has not issued it, a
+    different call at its number, or NCCL's own completion) is waiting in that call, wherever
+    its Python frame is: under torch's DDP the main thread waits in autograd's
+    ``_engine_run_backward`` while the reducer's all-reduce is what it waits for, and under
+    FSDP2 in ``foreach_all_gather_copy_out``. Every other rank keeps the place its stack gave
+    (`meshrun.agent.stacks.classify`). Records of ranks that failed on their own (an error
+    file, a stderr tail) are returned as they are: their traceback places them.
+    Idempotent: every caller (the hang line, the report, ``meshrun stacks``) places the same
+    records the same way, on every node.
+    """
+    from meshrun.agent.collectives import from_summary, pending_call
 
     failures = list(failures)
+    records = {}
+    for f in failures:
+        record = from_summary(f.calls)
+        if record is not None:
+            records.setdefault(f.global_rank, record)
+    out = []
+    for f in failures:
+        call = pending_call(f.global_rank, records) if f.source == "stack" else None
+        if call is None:
+            out.append(f)
+            continue
+        group = "" if call.group == "0" else f" of group {call.group}"
+        at = f.at if f.at and not f.at.startswith("unknown") else (call.at or f.at)
+        out.append(dataclasses.replace(
+            f, state=Place.WAITING, collective=f"{call.op} #{call.seq}{group}", at=at))
+    return out
+
+
+def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
+    """The global ranks that most likely caused the failure, and why, decided from data in
+    this order (docs/hangs.md):
+
+    1. the collective record (`disagreement`): a group whose ranks made different calls as
+       the same call number names the smaller side (`Rule.RECORD_MISMATCH`); a group where
+       some members never reached the call the others wait in names the ranks behind
+       (`Rule.RECORD_BEHIND`);
+    2. else each rank's place (`placed`: the record's pending calls, then the stacks) and
+       meshrun.parallel's counters (`attribute`): the ranks outside any collective while
+       others wait, else those behind in collectives issued, else those in a different
+       collective. A rank that failed inside a collective (its traceback has a
+       ``torch.distributed`` collective frame) counts as waiting.
+
+    The record comes first because it is the same data on every rank and on every backend: a
+    stack shows only where the Python thread is (the wrong place under DDP, FSDP2 and NCCL).
+    """
+    from meshrun.agent.stacks import classify, traceback_frames
+
+    failures = placed(failures)
+    found = disagreement(failures)
+    if found is not None and found.culprits:
+        state = {f.global_rank: f.state for f in failures if f.state}
+        if found.behind and all(state.get(r) == Place.RUNNING for r in found.culprits):
+            # behind, and in its own code: the words users know (a slow reader, a branch)
+            return Verdict(list(found.culprits), Why(
+                "outside any collective while the others wait", Rule.OUTSIDE))
+        if found.behind:
+            return Verdict(list(found.culprits), Why(
+                "behind the others in collectives issued: it never reached the call they wait in",
+                Rule.RECORD_BEHIND))
+        return Verdict(list(found.culprits), Why(
+            f"in a different collective from the others' {found.against}", Rule.RECORD_MISMATCH))
     places: dict[int, tuple[Whereabouts, int | None]] = {}
     for f in failures:
         if f.state:
@@ -271,18 +331,7 @@ def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
         else:
             continue
         places.setdefault(f.global_rank, (where, f.collectives if f.collectives >= 0 else None))
-    verdict = attribute(places)
-    if verdict.ranks and verdict.why.rule is Rule.OUTSIDE:
-        return verdict
-    found = disagreement(failures)
-    if found is None or not found.culprits or list(found.culprits) == verdict.ranks:
-        return verdict
-    # the record's call numbers beat meshrun.parallel's counts and the stacks' op names
-    if found.behind:
-        return Verdict(list(found.culprits),
-                       Why("behind the others in collectives issued", Rule.RECORD_BEHIND))
-    return Verdict(list(found.culprits),
-                   Why("in a different collective from the others", Rule.RECORD_MISMATCH))
+    return attribute(places)
 
 
 def disagreement(failures: Iterable[WorkerFailure]):
@@ -347,6 +396,7 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         raise ValueError("format_report: no failures given")
     from meshrun.agent.stacks import classify, traceback_frames
 
+    failures = placed(failures)
     first = root_cause(failures)
     blamed, why = culprits(failures)
     own = [f for f in sorted(failures, key=_order) if not f.stopped and f is not first]
@@ -411,7 +461,7 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         lines.append(f"Desync: {desync}")
     if stopped:
         lines.append(f"Stopped ranks ({len(stopped)}), where each was:")
-        lines.extend(format_places(stopped, blamed))
+        lines.extend(format_places(stopped, blamed, among=failures))
     elif blamed == [] and why and found is None and not desync:
         lines.append(f"Note: {why}")
     lines.append(rule)
@@ -433,14 +483,23 @@ def _exit_hint(f: WorkerFailure) -> str | None:
 _TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def format_places(records: Sequence[WorkerFailure], blamed: Sequence[int] = ()) -> list[str]:
+def format_places(
+    records: Sequence[WorkerFailure], blamed: Sequence[int] = (),
+    among: Sequence[WorkerFailure] = (),
+) -> list[str]:
     """Where each rank of ``records`` was (its place, the innermost frame of its own code,
-    where its full stack is, its main thread's innermost frames), the ranks in ``blamed``
-    marked as the likely cause; two spaces of indent. Used by the failure report (stopped
-    ranks) and by ``meshrun stacks`` (every rank, live)."""
+    where its full stack is, its main thread's innermost frames, its last collectives with the
+    pending one marked), the ranks in ``blamed`` marked as the likely cause; two spaces of
+    indent. ``among`` are the records the pending calls are judged over (all of the job's;
+    default ``records``). Used by the failure report (stopped ranks) and by ``meshrun stacks``
+    (every rank, live)."""
+    from meshrun.agent.collectives import from_summary, pending_call
+
+    calls = {f.global_rank: r for f in (among or records)
+             if (r := from_summary(f.calls)) is not None}  # fmt: skip
     lines: list[str] = []
     for f in records:
-        lines.extend(_place_lines(f, f.global_rank in blamed))
+        lines.extend(_place_lines(f, f.global_rank in blamed, calls, pending_call(f.global_rank, calls)))
     return lines
 
 
@@ -454,16 +513,16 @@ def describe_place(f: WorkerFailure) -> str:
     return "place unknown"
 
 
-def _place_lines(f: WorkerFailure, blamed: bool) -> list[str]:
+def _place_lines(f: WorkerFailure, blamed: bool, calls: dict, pending) -> list[str]:
     """One rank: its place, then its main thread's innermost frames."""
     place = describe_place(f)
     if blamed:
         place = f"LIKELY CAUSE, {place}"
     head = f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {place}"
     lines = [head + (f" at {f.at}" if f.at else "")]
-    from meshrun.agent.collectives import describe_recent, from_summary
+    from meshrun.agent.collectives import describe_recent
 
-    recent = describe_recent(from_summary(f.calls))
+    recent = describe_recent(calls.get(f.global_rank), pending=pending)
     if recent:
         lines.append(f"    last collectives: {recent}")
     if f.stack_path:

@@ -34,6 +34,7 @@ from meshrun.agent.errors import (
     describe_place,
     disagreement,
     format_report,
+    placed,
     root_cause,
 )
 from meshrun.agent.hang import Hang
@@ -192,6 +193,7 @@ class FailureReport:
             return rdzv.poll() or Restart(
                 "the hung ranks exited while their stacks were taken", Cause.MOVED_ON
             )
+        records = placed(records)
         blamed, why = culprits(records)
         first = root_cause(records)
         if blamed:

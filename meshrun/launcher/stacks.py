@@ -216,9 +216,9 @@ def _running_workers(path: Path) -> list[tuple[int, dict]]:
 
 
 def _print(title: str, records: list, silent: list[str], timeout: float) -> None:
-    from meshrun.agent.errors import culprits, disagreement, format_places
+    from meshrun.agent.errors import culprits, disagreement, format_places, placed
 
-    records = sorted(records, key=lambda f: f.global_rank)
+    records = placed(sorted(records, key=lambda f: f.global_rank))
     blamed, why = culprits(records)
     found = disagreement(records)
     click.echo(f"{title}: {len(records)} rank(s), stacks taken at {time.strftime('%H:%M:%S')}")

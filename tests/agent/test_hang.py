@@ -92,7 +92,7 @@ def test_hang_without_restarts_left_reports_every_rank_and_exits_124(launch):
     assert "likely     : the cause: outside any collective" in report
     # The waiting rank, with its place and its own stack.
     assert re.search(
-        rf"rank 0 \(host .*\): waiting in all_reduce at \S+hang_rank.py:{reduce_line} in "
+        rf"rank 0 \(host .*\): waiting in all_reduce(?: #\d+)? at \S+hang_rank.py:{reduce_line} in "
         r"<module> \(inside distributed_c10d.py", report
     ), report
     assert "full stack: " in report and "attempt_0/0/stack.txt" in report
