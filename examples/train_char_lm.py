@@ -153,7 +153,8 @@ def main(argv=None):
         position += global_batch
 
         if args.eval_every and done % args.eval_every == 0:
-            with busy("evaluation"):  # every rank takes part: none of them beats meanwhile
+            # every rank takes part: none of them beats meanwhile; a hung one is still caught
+            with busy("evaluation", timeout=args.eval_timeout):
                 val = evaluate(par, eval_batches, device)
             if master:
                 print(f"step {done} | eval loss {val:.4f}", flush=True)

@@ -34,6 +34,10 @@ def parse_args(argv=None):
                    "windows (no gradients; inside meshrun.parallel.busy(), so a long "
                    "evaluation is progress for --hang-timeout); not with --pp")
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-timeout", type=float, default=600.0,
+                   help="seconds an evaluation counts as progress for --hang-timeout (its "
+                   "busy() bound; default 600, torch's NCCL collective timeout: an evaluation "
+                   "that hangs is reported within this plus --hang-timeout)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"])
     p.add_argument("--dp-mode", choices=DP_MODES, default="ddp")
@@ -99,7 +103,10 @@ def parse_args(argv=None):
         args.dp_mode = args.parallel
     # bad flags: one line and exit 2, on every rank (a launcher's report names the first rank
     # to exit, whichever it is: its output must say why)
-    problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", 1))) or elastic_problem(args)
+    problem = (f"--eval-timeout must be seconds > 0 (got {args.eval_timeout})"
+               if not args.eval_timeout > 0 else None)
+    problem = problem or layout_problem(args, int(os.environ.get("WORLD_SIZE", 1))) \
+        or elastic_problem(args)
     if problem:
         print(f"{p.prog}: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun import _torch, exit_guard
-from meshrun.parallel.data_check import watch_set_epoch
+from meshrun.parallel import data_check
 from meshrun.parallel.heartbeat import register_stack_dump
 
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -103,7 +103,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         dist.init_process_group(backend, init_method="env://", **_timeout_kwargs(timeout))
         note_world_sockets(before)
     register_stack_dump()  # lets `meshrun --hang-timeout` show where this rank is stuck
-    watch_set_epoch()  # a shuffling DistributedSampler without set_epoch: one warning
+    data_check.arm()  # set_epoch forgotten; the same data on every rank, torch's wrappers too
     exit_guard.install()  # (under torchrun too) registered first, so it runs last: atexit
     atexit.register(_destroy_at_exit)  # is LIFO
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

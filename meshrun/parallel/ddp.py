@@ -57,9 +57,10 @@ Accelerating Data Parallel Training", VLDB 2020):
   a parameter used on some rank gets the group average (other ranks counted as zero).
 - Uneven inputs: `agree_num_batches` (one all-reduce MIN at epoch start); every rank then runs
   that many batches and drops the rest, so no rank waits on a collective that never comes.
-- Data check: at the first forward with grad, the ranks compare a fingerprint of their inputs
-  (one all-gather, once); identical inputs everywhere warn that the data were never sharded
-  (`meshrun.parallel.data_check`; ``MESHRUN_DATA_CHECK=0`` switches it off).
+- Data check: at each of the first forwards with grad (up to 8, fewer once the ranks' inputs
+  differ), the ranks compare a fingerprint of their positional and keyword tensor arguments
+  (one all-gather each); inputs identical everywhere at all of them warn that the data were
+  never sharded (`meshrun.parallel.data_check`; ``MESHRUN_DATA_CHECK=0`` switches it off).
 - Communication hooks (`meshrun.parallel.comm_hooks`, torch's ``register_comm_hook``): what
   happens to a full bucket is a hook, called with the bucket's *local* gradients when the
   bucket launches and waited for at the end of backward, both in bucket order. The default
@@ -82,7 +83,7 @@ from torch import nn
 from meshrun import _torch
 from meshrun.parallel import comm_hooks
 from meshrun.parallel._comm import broadcast_from_first_, group_device, launched, wait
-from meshrun.parallel.data_check import check_first_input
+from meshrun.parallel.data_check import InputCheck, watch_samplers
 from meshrun.parallel.heartbeat import heartbeat
 
 MiB = 1024 * 1024
@@ -225,9 +226,10 @@ class _Reducer:
         self._build_buckets(self._assign(list(reversed(range(len(self.params))))))
         self.handles = [p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i))
                         for i, p in enumerate(self.params)]  # fmt: skip
-        self.first_forward = True  # the data check's once (`meshrun.parallel.data_check`)
-        self.handles.append(
-            module.register_forward_pre_hook(lambda mod, args: self._before_forward(args)))
+        self.input_check = InputCheck(group)  # the same-data check (`meshrun.parallel.data_check`)
+        watch_samplers()  # ... which knows DistributedSampler's padding
+        self.handles.append(module.register_forward_pre_hook(
+            lambda mod, args, kwargs: self._before_forward(args, kwargs), with_kwargs=True))
 
     # -- public -----------------------------------------------------------------------------
 
@@ -497,14 +499,13 @@ class _Reducer:
 
     # -- buffers ----------------------------------------------------------------------------
 
-    def _before_forward(self, args: tuple) -> None:
+    def _before_forward(self, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook: broadcast buffers from rank 0 without bumping version counters;
-        at the first forward with grad, check that the ranks' inputs differ (`data_check`)."""
+        at the first forwards with grad, check that the ranks' inputs differ (`data_check`).
+        Returns None: the forward's arguments are the caller's."""
         if self.in_backward:  # a backward that raised never reached _finalize: forget it
             self._reset()
-        if self.first_forward and torch.is_grad_enabled():
-            self.first_forward = False
-            check_first_input(args, self.group, group_device(self.group))
+        self.input_check(args, kwargs)
         if self.buffers and self.sync and torch.is_grad_enabled():
             broadcast_from_first_(self.buffers, self.group, swap_data=True)
 

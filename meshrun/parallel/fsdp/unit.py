@@ -73,11 +73,10 @@ from meshrun.parallel import comm_hooks
 from meshrun.parallel._comm import (
     all_gather_flat,
     all_reduce_,
-    group_device,
     reduce_scatter_flat,
     wait,
 )
-from meshrun.parallel.data_check import check_first_input
+from meshrun.parallel.data_check import InputCheck, watch_samplers
 from meshrun.parallel.fsdp import offload
 from meshrun.parallel.fsdp.layout import ShardLayout
 from meshrun.parallel.heartbeat import heartbeat
@@ -131,7 +130,8 @@ class Root:
         self.in_forward = False
         self.in_backward = False
         self.parts = 0  # > 0: inside `FSDPModule.backward_in_parts` (one backward, many calls)
-        self.inputs_checked = False  # the data check's once (`meshrun.parallel.data_check`)
+        self.input_check = InputCheck(owner.group)  # `meshrun.parallel.data_check`
+        watch_samplers()  # ... which knows DistributedSampler's padding
 
     def begin_forward(self) -> None:
         if self.in_backward:  # a backward that raised never reached finish_backward: forget it
@@ -340,9 +340,7 @@ class Unit:
         root = self._lazy_init()
         if root.owner is self:
             root.begin_forward()
-            if not root.inputs_checked and torch.is_grad_enabled():  # before any gather
-                root.inputs_checked = True
-                check_first_input(args, self.group, group_device(self.group))
+            root.input_check(args, kwargs)  # positional and keyword; before any gather
         if root.in_forward:  # else: a unit called on its own, outside its root's forward
             root.order.append(self)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
