@@ -71,8 +71,8 @@ def arm_stack_dump(environ=None) -> bool:
     script starts with the same environment (it runs the worker site too) adds to it instead
     of emptying it; the agent reads what a dump appended (`meshrun.agent.stacks`). A script
     that installs its own handler for the signal later replaces this one and gets the signal
-    (the agent sends it to any process that has a handler for it, and falls back to py-spy
-    when no dump comes). ``chain`` is set only when a handler was there before: faulthandler
+    (the agent sends it to any process that has a handler for it; no dump then comes, and the
+    report says so). ``chain`` is set only when a handler was there before: faulthandler
     chains by re-raising the signal under the previous disposition, and SIG_DFL of a
     real-time signal ends the process.
     """

@@ -18,11 +18,14 @@ When every rank waits, the culprit is the one *behind* (fewer collectives issued
 counters), or the ranks inside a different collective from the rest (a rank that called
 ``broadcast`` where the others called ``all_reduce``); the "wavefront" view of a hang.
 
-Stacks come from Python's ``faulthandler`` where the worker armed it (``meshrun.parallel.init()``
-does: the agent sends ``MESHRUN_STACK_SIGNAL`` and reads ``MESHRUN_STACK_FILE``; the dump is
-written from the signal handler, so it works while the main thread is blocked in C++), else from
-``py-spy dump`` (no help from the script; it needs ptrace rights over the worker: the agent is
-its parent, and root or ``CAP_SYS_PTRACE`` where Yama's ptrace_scope is above 1).
+Stacks come from Python's ``faulthandler`` where the worker armed it: meshrun's worker site
+arms it in every Python worker (`meshrun.worker_signals.arm_stack_dump`; so does
+``meshrun.parallel.init()``); the agent sends ``MESHRUN_STACK_SIGNAL`` and reads
+``MESHRUN_STACK_FILE``; the dump is written from the signal handler, so it works while the main
+thread is blocked in C++, and needs no ptrace rights. Else (a worker that is not Python, or
+whose site did not run; a main thread past faulthandler's 100 threads) from ``py-spy dump``,
+which needs ptrace rights over the worker: the agent is its parent, and root or
+``CAP_SYS_PTRACE`` where Yama's ptrace_scope is above 1; refused in many containers.
 """
 
 from __future__ import annotations
@@ -144,8 +147,10 @@ def collect_stacks(
             )  # fmt: skip
         else:
             stacks[t.key] = _missing(
-                t, "no stack: call meshrun.parallel.init() in the script, or install py-spy"
-            )
+                t, "no stack: the worker did not arm faulthandler (not a Python worker, or "
+                   "meshrun's worker site did not run: python -S, a PYTHONPATH the script "
+                   "replaced; meshrun.parallel.init() arms it too), and py-spy is not installed"
+            )  # fmt: skip
     while (sent or spies) and time.monotonic() < deadline and not (abort and abort()):
         for key, (t, size) in list(sent.items()):
             now = _size(t.stack_file)
