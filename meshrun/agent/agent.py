@@ -45,6 +45,7 @@ from pathlib import Path
 from meshrun.agent import addresses, handover
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.config import LaunchConfig
+from meshrun.agent.desync import DesyncCheck
 from meshrun.agent.errors import WorkerFailure
 from meshrun.agent.events import EVENT_FILE, EventLog
 from meshrun.agent.failure_report import FailureReport, place
@@ -111,6 +112,7 @@ class Agent:
         )  # fmt: skip
         self._steps = StepWatch(self.host, emit=self._emit)
         self._stack_requests = StackRequests()
+        self._desync = DesyncCheck(self.host, emit=self._emit) if config.desync_check else None
         # the round that runs: its group, its info, when it started, its progress watch
         self._group: WorkerGroup | None = None
         self._group_info: RendezvousInfo | None = None
@@ -269,6 +271,7 @@ class Agent:
     def _loop(self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore) -> int:
         c = self.config
         signals = self._signals
+        desync = self._desync
         while True:
             try:
                 info = signals.interruptible(rdzv.next_round)
@@ -297,10 +300,17 @@ class Agent:
                             self._end_round(rdzv, bootstrap)
                             return EXIT_OK
                     elif result is not None:
-                        reason = self._report.on_failure(rdzv, info, result)
+                        reason = (desync and desync.at_failure(
+                            rdzv, info, self._group, result, self._take_stacks, self._report)
+                        ) or self._report.on_failure(rdzv, info, result)  # fmt: skip
                     elif self._watch is not None and (hung := self._watch.check()):
-                        reason = self._report.on_hang(rdzv, self._group_info, hung,
-                                                      self._take_stacks())  # fmt: skip
+                        places = self._take_stacks()
+                        reason = (desync and desync.at_hang(
+                            rdzv, info, self._group, places, self._report)
+                        ) or self._report.on_hang(rdzv, self._group_info, hung, places)
+                    elif desync and (reason := desync.tick(
+                            rdzv, info, self._group, self._take_stacks, self._report)):
+                        pass  # a desync (--desync-check) stops the job as a failure
                     else:
                         self._steps.tick(rdzv, info, self._group, self._watch)
                         self._stack_requests.answer(rdzv, info.num_nodes, self._published_stacks)
@@ -377,6 +387,8 @@ class Agent:
                f"{', '.join(map(str, pids))}), {timeout:g} s to confirm"))
         self._group_info = new
         self._report.failed_round = False
+        if self._desync is not None:
+            self._desync.new_round()
         self._steps.new_round()
         if self._watch is not None:  # the wait for the round was the agent's, not a hang
             self._watch.rearm()
@@ -449,6 +461,8 @@ class Agent:
         self._group.start()
         self._group_started_at = time.monotonic()
         self._steps.new_round()
+        if self._desync is not None:
+            self._desync.new_round()
         self._emit_round_start(info)
         for spec, pid in zip(self._group.specs, self._group.pids, strict=True):
             self._emit(

@@ -29,6 +29,8 @@ restart        round (the round that ends), reason (one line), spent (true: a fa
                of the job's budget; false: a membership change, free)
 hang           round, culprits (ranks that made no progress), waiting (ranks stopped with them)
 straggler      round, rank, step_s, busy_s, median_s, steps (`meshrun.agent.stragglers`)
+desync         round, group, seq, what ("mismatch" or "offset"), culprits, line
+               (``--desync-check``, `meshrun.agent.desync`)
 in_place       round, confirmed (every worker took the round in place; false: the group was
                restarted in it), reason (why not, when false)
 agent_exit     code (the agent's exit code)
@@ -69,7 +71,7 @@ MAX_FIELD_CHARS = 2000  # a string field (a failure's message) is cut here, with
 
 KINDS = (
     "agent_start", "round_start", "worker_start", "worker_exit", "join", "node_lost",
-    "failure", "restart", "hang", "straggler", "in_place", "agent_exit",
+    "failure", "restart", "hang", "straggler", "desync", "in_place", "agent_exit",
 )  # fmt: skip
 _RESERVED = frozenset({"t", "host", "pid", "kind"})
 

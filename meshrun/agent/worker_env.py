@@ -118,8 +118,8 @@ def worker_env(
     )
     if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
-    if config.desync_check:  # torch's fingerprint check before every collective
-        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    # --desync-check is the agent's (meshrun.agent.desync): it reads the collective record
+    # and sets nothing here (torch's DETAIL wrapper would hide the record's groups)
     # the exit guard (torch's teardown must not fail a finished script) and the collective
     # record start from the worker site
     if env.get(exit_guard.OFF_ENV) != "0" or env.get(RECORD_ENV) != "0":
