@@ -124,7 +124,9 @@ class StackRequests:
         answer it with ``take()``: this node's ranks' published records (places and stacks,
         taken as for a failure report)."""
         now = time.monotonic()
-        if num_nodes == 1 or now - self._polled_at < STACKS_POLL_S:
+        if rdzv.settings.max_nodes == 1:  # an in-process store (`open_store`): nobody asks
+            return  # (a one-node round of an elastic job, --nnodes 1:N, is asked: answer it)
+        if now - self._polled_at < STACKS_POLL_S:
             return
         self._polled_at = now
         request = rdzv.stacks_request()

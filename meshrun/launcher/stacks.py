@@ -3,21 +3,23 @@
     meshrun stacks --rdzv-backend etcd --rdzv-endpoint HOST:2379 --rdzv-id JOB [--rdzv-conf ...]
     meshrun stacks LOGDIR...
 
-The job goes on: nothing is stopped. With a rendezvous store (a multi-node job), the command
-writes a request (``stacks/request``, sealed like every value when the job has a shared secret)
-and each node's agent, which looks for one every second, takes its running workers' stacks as
+The job goes on: nothing is stopped. With a rendezvous store (a multi-node job, or an elastic
+one, ``--nnodes 1:N``, also while it has one node), the command writes a request
+(``stacks/request``, sealed like every value when the job has a shared secret) and each node's
+agent, which looks for one every second, takes its running workers' stacks as
 it does for a failure report (faulthandler where the script called ``meshrun.parallel.init()``,
 else ``py-spy dump``; at most 2 s) and publishes them; the command waits for every member of the
 running round (``--timeout`` seconds at most) and prints each rank's place (waiting in a
 collective, or running: the likely cause of a stall), the innermost frame of its own code and
 its main thread's innermost frames, with the likely culprit on top.
 
-With log directories (a one-node job, whose store lives inside its agent; or any node, run on
-that node), the command reads the agents' ``events.jsonl`` for the running round's worker pids
-and takes their stacks itself: it needs the right to signal the workers (the same user) and,
+With log directories (a one-node job, ``--nnodes 1``, whose store lives inside its agent; or
+any node, run on that node), the command reads the agents' ``events.jsonl`` for the running
+round's worker pids and takes their stacks itself: it needs the right to signal the workers (the same user) and,
 for py-spy, to ptrace them (root, or ``CAP_SYS_PTRACE`` where Yama's ptrace_scope is 1).
 
-Exit codes: 0 printed; 1 no running job found; 2 usage; 3 the store cannot be reached.
+Exit codes: 0 printed (some nodes may not have answered: each is named); 1 no running job
+found, or no node answered within ``--timeout``; 2 usage; 3 the store cannot be reached.
 """
 
 from __future__ import annotations
@@ -119,6 +121,11 @@ def _from_store(backend: str, endpoint: str, run_id: str, conf_text: str, timeou
             click.echo(f"meshrun stacks: node rank {node_rank} answered with a malformed value",
                        err=True)  # fmt: skip
     silent = [r for r in range(len(members)) if r not in answers]
+    if not answers:  # nothing to print: say so, and fail (a script must not read "0 ranks")
+        click.echo(f"meshrun stacks: no node of job {run_id} answered within {timeout:g} s "
+                   f"(round {state.round}, {len(members)} node(s); is every agent meshrun's, "
+                   f"and still running?)", err=True)
+        return EXIT_NO_JOB
     title = f"job {run_id}: round {state.round}, {len(members)} node(s)"
     _print(title, records, [f"node rank {r} ({members[r].node_id})" for r in silent], timeout)
     return 0
