@@ -260,9 +260,10 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
     different call at its number, or NCCL's own completion) is waiting in that call, wherever
     its Python frame is: under torch's DDP the main thread waits in autograd's
     ``_engine_run_backward`` while the reducer's all-reduce is what it waits for, and under
-    FSDP2 in ``foreach_all_gather_copy_out``. Every other rank keeps the place its stack gave
-    (`meshrun.agent.stacks.classify`). Records of ranks that failed on their own (an error
-    file, a stderr tail) are returned as they are: their traceback places them.
+    FSDP2 in ``foreach_all_gather_copy_out``. Every other rank keeps the place its stack (or
+    its last stderr lines) gave (`meshrun.agent.stacks.classify`). Records of ranks that
+    failed on their own (an error file, a stderr tail) are returned as they are: their
+    traceback places them.
     Idempotent: every caller (the hang line, the report, ``meshrun stacks``) places the same
     records the same way, on every node.
     """
@@ -276,7 +277,7 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
             records.setdefault(f.global_rank, record)
     out = []
     for f in failures:
-        call = pending_call(f.global_rank, records) if f.source == "stack" else None
+        call = pending_call(f.global_rank, records) if f.stopped or f.source == "stack" else None
         if call is None:
             out.append(f)
             continue

@@ -245,8 +245,8 @@ class FailureReport:
                 f.global_rank: self._here(f, node_rank).capped(_LOCAL_REPORT_MAX_BYTES)
                 for f in local
             }
-            failures = [mine.get(f.global_rank, f) if f.node_rank == node_rank else f
-                        for f in failures]  # fmt: skip
+            failures = [_with_longer_text(f, mine.get(f.global_rank)) if f.node_rank == node_rank
+                        else f for f in failures]  # fmt: skip
         if all(f.stopped for f in failures):
             say("error: the job failed on another node, which published no failure record")
             if failures:
@@ -258,6 +258,17 @@ class FailureReport:
             say(f"received {signal_name(stop)}; exiting")
             return 128 + stop
         return root_cause(failures).exit_status
+
+
+def _with_longer_text(published: WorkerFailure, local: WorkerFailure | None) -> WorkerFailure:
+    """A rank of this node as the job's report shows it: the record the store holds (what
+    every node reads, so every node files the rank the same way: a failure, or stopped, and
+    where) with this node's longer message and traceback where both describe the same end
+    (a rank first published as stopped may have exited non-zero while it was being stopped;
+    the store keeps its first record)."""
+    if local is None or (local.stopped, local.source) != (published.stopped, published.source):
+        return published
+    return replace(published, message=local.message, traceback=local.traceback)
 
 
 def place(f: WorkerFailure) -> str:

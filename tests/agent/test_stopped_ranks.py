@@ -195,3 +195,53 @@ def test_sigterm_while_stacks_are_taken_exits_143_at_once(launch):
     assert "round 1" not in rest, rest  # no new round was started
     assert "during rendezvous" not in rest, rest  # it stopped from where it was
     assert elapsed < 1.7 + 2, elapsed  # a liveness bound: the stack wait (2 s) plus grace
+
+
+def _filing(report: str) -> dict[int, str]:
+    """Each rank the report lists after its root cause -> its line (section and place)."""
+    filed, section = {}, ""
+    for line in report.splitlines():
+        if line.startswith(("Other failures", "Stopped ranks", "Likely cause")):
+            section = line.split(" (")[0].split(":")[0]
+        m = re.match(r"  rank (\d+) \(", line)
+        if m and section != "Likely cause":
+            filed[int(m[1])] = f"{section}: {line.strip()}"
+    return filed
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("failing", [0, 2])
+def test_two_nodes_file_every_rank_the_same_way(tmp_path, failing):
+    """One rank fails while its peers on both nodes wait in a barrier that then breaks under
+    them. Every node's report lists every rank in the same section with the same place (the
+    store's record, which every node reads), whichever node the failure was on."""
+    port = free_port()
+    script = SCRIPTS / "fail_in_step.py"
+    procs = []
+    try:
+        for n in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", "2",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--rdzv-id", "filing", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=30",
+                 "--monitor-interval", "0.1", "--shutdown-timeout", "2", "--max-restarts", "0",
+                 str(script), str(failing)],
+                env=meshrun_env(), cwd=tmp_path, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))  # fmt: skip
+            if n == 0:
+                time.sleep(1.0)  # node rank 0 hosts the store
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    filings = []
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 7, err
+        report = err[err.index("Root cause") :]
+        assert f"  rank       : {failing} (" in report, report
+        filings.append(_filing(report))
+    assert set(filings[0]) == {0, 1, 2, 3} - {failing}, outs[0][1]
+    assert filings[0] == filings[1], (outs[0][1], outs[1][1])
