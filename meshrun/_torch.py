@@ -87,15 +87,54 @@ def flight_recorder_dump(nccl: bool = False) -> str | bytes:
     """torch's flight recorder ring as JSON (entries, and per group the last sequence numbers
     enqueued and completed), without stack traces: ``_dump_fr_trace_json(True, False)``
     (include collectives, not only_active). With ``nccl=True`` and a CUDA build, NCCL's own
-    ring (``_dump_nccl_trace_json``) where torch has it, else the common one.
+    ring (``_dump_nccl_trace_json(True, False)``: ProcessGroupNCCL records into a ring of its
+    own, which the common one does not hold), else the common one.
 
     Relies on ``torch._C._distributed_c10d._dump_fr_trace_json`` and, for NCCL,
-    ``_dump_nccl_trace_json``; torch 2.13.0 (the common ring, on gloo), 2.14.1 (both names
-    exported by the CUDA build). The NCCL variant is not in CPU builds and was not run here."""
+    ``_dump_nccl_trace_json`` (includeCollectives, onlyActive); torch 2.13.0 (the common ring,
+    on gloo), 2.14.1 (both names exported by the CUDA build's libtorch_python.so, with those
+    arguments). The NCCL variant is not in CPU builds and was not run here."""
     c10d = _module("torch._C._distributed_c10d")
     if nccl and hasattr(c10d, "_dump_nccl_trace_json"):
         return c10d._dump_nccl_trace_json(True, False)
     return c10d._dump_fr_trace_json(True, False)
+
+
+def has_nccl_flight_recorder() -> bool:
+    """Whether this torch has NCCL's own flight-recorder ring (a CUDA build with NCCL).
+
+    Relies on ``torch._C._distributed_c10d._dump_nccl_trace_json`` being present; torch
+    2.13.0 CPU (absent), 2.14.1 CUDA (present, read from its libtorch_python.so)."""
+    return hasattr(_module("torch._C._distributed_c10d"), "_dump_nccl_trace_json")
+
+
+def flight_recorder_frames(nccl: bool = False) -> dict[int, list[tuple[str, int, str]]]:
+    """The Python stack of every call in the flight recorder ring, by the entry's
+    ``record_id``: ``{record_id: [(filename, line, function), ...]}``, innermost first (as
+    torch captured it when the call was issued). The JSON dump has no frames; this reads the
+    pickle dump, ``_dump_fr_trace(True, True, False)`` (collectives, stack traces, not
+    only_active), or NCCL's, ``_dump_nccl_trace(True, True, False)``, with ``nccl=True`` where
+    torch has it. torch records Python frames of every call by default (C++ frames only with
+    ``TORCH_NCCL_TRACE_CPP_STACK=1``, not needed here). Unpickling is of torch's own bytes, in
+    this process.
+
+    Relies on ``torch._C._distributed_c10d._dump_fr_trace`` / ``_dump_nccl_trace`` returning a
+    pickled dict whose ``entries`` carry ``record_id`` and ``frames`` (dicts of ``filename``,
+    ``line``, ``name``); torch 2.13.0 (run: the common ring, on gloo), 2.14.1 (both names in
+    the CUDA build, same docstring and arguments; not run)."""
+    import pickle
+
+    c10d = _module("torch._C._distributed_c10d")
+    dump = (c10d._dump_nccl_trace if nccl and hasattr(c10d, "_dump_nccl_trace")
+            else c10d._dump_fr_trace)(True, True, False)  # fmt: skip
+    out: dict[int, list[tuple[str, int, str]]] = {}
+    for e in pickle.loads(dump).get("entries", []):
+        frames = e.get("frames") or []
+        out[int(e.get("record_id", -1))] = [
+            (str(f.get("filename", "")), int(f.get("line", 0)), str(f.get("name", "")))
+            for f in frames
+        ]
+    return out
 
 
 # -- autograd ----------------------------------------------------------------------------------

@@ -112,6 +112,9 @@ _DIST = textwrap.dedent("""
     ring = json.loads(_torch.flight_recorder_dump())
     nccl = json.loads(_torch.flight_recorder_dump(nccl=True))  # NCCL's ring where built in
     out["nccl_dump"] = isinstance(nccl, dict)
+    out["has_nccl"] = _torch.has_nccl_flight_recorder() == torch.distributed.is_nccl_available()
+    frames = _torch.flight_recorder_frames()  # imports torch._inductor.codecache (symbolizing)
+    out["frames"] = [[list(f) for f in frames[e["record_id"]]] for e in ring.get("entries", [])]
     out["ops"] = [e.get("profiling_name") for e in ring.get("entries", [])]
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     _torch.release_mesh_groups(mesh)
@@ -133,4 +136,8 @@ def test_process_groups_flight_recorder_and_mesh(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "0" in out["names"] and out["groups"] >= 1 and out["count_moved"]
     assert any("all_reduce" in str(op) for op in out["ops"]), out["ops"]
+    assert out["has_nccl"]
+    # every call's Python frames, innermost first: torch's all_reduce, ..., this script's line
+    first = out["frames"][0]
+    assert first[0][2] == "all_reduce" and first[-1][0].endswith("door.py"), first
     assert out["released"] and out["nccl_dump"]

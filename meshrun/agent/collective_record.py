@@ -14,8 +14,14 @@ on through the worker's environment (`meshrun.agent.collectives.record_env`), so
 change. torch keeps the ring in the worker's memory, where a blocked or dead rank cannot be
 asked for it, so a thread in the worker (`Recorder`, started by meshrun's ``sitecustomize``)
 writes a compact copy to a file in the rank's log directory whenever it changed, checking
-every `INTERVAL_S`, and once more at exit. The copy adds what the ring lacks: each group's
-member ranks. A rank blocked in gloo or NCCL releases the GIL, so its file stays current; a
+every `INTERVAL_S`, and once more at exit. The copy adds what the ring's JSON lacks: each
+group's member ranks and backend, and calls' sites (the innermost frame of the user's code,
+`call_site`; see `Recorder._call_sites` for where they come from and what they cost). On a
+process with an NCCL group it reads NCCL's own ring (``_dump_nccl_trace_json``), where
+ProcessGroupNCCL records; else the common one (``_dump_fr_trace_json``), where gloo does.
+On gloo (torch 2.13) every entry stays "scheduled" with no completion time, and a group's
+last completed number equals its last issued one even while that call is blocked: the record
+tells what each rank issued, not what completed (docs/hangs.md). A rank blocked in gloo or NCCL releases the GIL, so its file stays current; a
 rank killed with SIGKILL leaves the copy of at most `INTERVAL_S` before. Point-to-point calls
 (``send``/``recv``) are not in the ring for gloo and are left out for every backend.
 
@@ -73,6 +79,12 @@ class Recorder:
         self._live: list[tuple[weakref.ref, str]] = []  # the groups at the last look
         self._seen = -1  # the newest ring entry (record_id) at the last look
         self._cutoff: dict[str, int] = {}  # group name -> its entries up to here: destroyed
+        self._has_nccl: bool | None = None  # this torch has NCCL's ring (asked once)
+        self._backends: dict[str, str] = {}  # group name -> its backend ("gloo", "nccl")
+        self._sites: dict[int, str] = {}  # record_id -> call site (`_call_sites`)
+        self._sites_nccl = False  # which ring the sites were read from
+        self._sampled: set[int] = set()  # record_ids whose site the main thread was asked for
+        self._ring: dict = {}  # the ring at the last write
         self._torch = _door()  # raises when meshrun/_torch.py cannot be loaded
         self._start_thread = _signals().start_thread  # and meshrun/worker_signals.py
         self._thread = threading.Thread(target=self._run, name="meshrun-collective-record",
@@ -103,12 +115,17 @@ class Recorder:
             dist = sys.modules.get("torch.distributed")
             if dist is None or not dist.is_available() or not dist.is_initialized():
                 return False
-            dump = self._torch.flight_recorder_dump()
+            nccl = self._reads_nccl(dist)
+            dump = self._torch.flight_recorder_dump(nccl=nccl)
             if dump == self._last:
-                self._touch()
-                return False
-            ring = json.loads(dump)
-            record = make_record(ring, self._group_ranks(dist, ring), self._cutoff)
+                if not self._stuck_site():
+                    self._touch()
+                    return False
+                ring = self._ring  # unchanged; the newest call got its site: written again
+            else:
+                ring = json.loads(dump)
+            groups = self._group_ranks(dist, ring)
+            record = make_record(ring, groups, self._cutoff, self._call_sites(ring, nccl))
         except Exception:  # noqa: BLE001 - no record then (the report goes without its line)
             return False
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -120,8 +137,82 @@ class Recorder:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return False
-        self._last = dump
+        self._last, self._ring = dump, ring
         return True
+
+    def _reads_nccl(self, dist) -> bool:
+        """Whether to read NCCL's ring rather than the common one: this torch has it, and a
+        live group of this process has an NCCL backend (``dist.get_backend``: "nccl", or
+        "cpu:gloo,cuda:nccl" for a group of both). ProcessGroupNCCL records only into its own
+        ring; gloo only into the common one. A process with NCCL groups and gloo-only groups
+        besides is read from NCCL's ring alone: the gloo-only groups' calls are then not in
+        its record. Each group's backend is asked once."""
+        if self._has_nccl is None:
+            self._has_nccl = self._torch.has_nccl_flight_recorder()
+        if not self._has_nccl:
+            return False
+        for pg, name in self._torch.process_group_names(dist):
+            if name not in self._backends:
+                try:
+                    self._backends[name] = str(dist.get_backend(pg))
+                except Exception:  # noqa: BLE001 - a group being destroyed
+                    continue
+        return any("nccl" in b for b in self._backends.values())
+
+    def _call_sites(self, ring: dict, nccl: bool) -> dict[int, str]:
+        """``record_id -> call site`` ("train.py:42 in step", `call_site`) of the ring's
+        entries, where known.
+
+        torch's pickle dump holds each call's Python frames (the JSON has none), but
+        symbolizing them imports ``torch._inductor.codecache`` (torch 2.13: 3.6 s and 71 MB
+        in a worker that never compiles), so it is read only where that module is loaded
+        already (the script uses ``torch.compile``): then for every call, one read per change
+        of the ring at most (a call's site never changes: kept by ``record_id``). Elsewhere
+        the site of the newest call is taken from the main thread's stack once the ring has
+        not moved for a look while that thread is inside torch (`_stuck_site`): the call a
+        rank hangs in. The cache is emptied when the ring read changes (NCCL's and the common
+        one number their entries apart)."""
+        if nccl != self._sites_nccl:
+            self._sites, self._sites_nccl = {}, nccl
+        ids = {int(e.get("record_id", -1)) for e in ring.get("entries", [])}
+        if ids - self._sites.keys() and "torch._inductor.codecache" in sys.modules:
+            try:
+                frames = self._torch.flight_recorder_frames(nccl=nccl)
+            except Exception:  # noqa: BLE001 - no call sites then; the calls stay
+                frames = {}
+            for rid in ids - self._sites.keys():
+                if rid in frames:
+                    self._sites[rid] = call_site(frames[rid])
+        self._sites = {rid: at for rid, at in self._sites.items() if rid in ids}
+        return self._sites
+
+    def _stuck_site(self) -> bool:
+        """The ring has not changed since the last look: if its newest call has no site yet
+        and the main thread is inside torch now (in the collective, or in the ``backward``
+        or ``forward`` that issued it), take the site from the main thread's innermost frame
+        of user code; True when one was added. Only from the recorder's own thread (at
+        exit the main thread is elsewhere)."""
+        if threading.current_thread() is not self._thread or not self._ring:
+            return False
+        entries = self._ring.get("entries", [])
+        if not entries:
+            return False
+        newest = max(int(e.get("record_id", -1)) for e in entries)
+        if self._sites.get(newest) or newest in self._sampled:
+            return False
+        self._sampled.add(newest)
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        frames = []
+        while frame is not None:
+            frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        torch_dir = _library_dirs()[0]
+        if not any(os.path.abspath(f).startswith(torch_dir) for f, _, _ in frames):
+            return False
+        at = call_site(frames)
+        if at:
+            self._sites[newest] = at
+        return bool(at)
 
     def _touch(self) -> None:
         """Mark the unchanged record as current (its mtime): the agent waits for that before it
@@ -174,20 +265,28 @@ def start_recorder_from_env() -> Recorder | None:
 
 
 def make_record(dump: dict, group_ranks: dict[str, str],
-                cutoff: int | dict[str, int] = -1) -> dict:
-    """Turn torch's flight-recorder dump (``_dump_fr_trace_json``) into the record file's shape:
-    ``{"pid", "written_ms", "groups": {name: {"ranks", "issued", "done"}}, "calls": [...]}``,
-    each call ``{"group", "seq", "op", "args", "issued_ms"}``, oldest first, p2p and the
+                cutoff: int | dict[str, int] = -1, sites: dict[int, str] | None = None) -> dict:
+    """Turn torch's flight-recorder dump (``_dump_fr_trace_json`` or NCCL's
+    ``_dump_nccl_trace_json``: the same shape) into the record file's shape:
+    ``{"pid", "written_ms", "groups": {name: {"ranks", "issued", "done", "backend"}},
+    "calls": [...]}``, each call ``{"group", "seq", "op", "args", "issued_ms", "at"}``
+    (``at``: its call site from ``sites``, by ``record_id``; "" when unknown), oldest first,
+    p2p and the
     entries up to ``cutoff`` (``record_id``, for every group or per group name: calls of
     groups destroyed since) left out, and so are a group name's calls before its sequence
     numbers start again (a group destroyed and made again under the same name).
 
     ``issued``/``done`` are the last sequence numbers issued and completed in the group (0:
-    none). Groups are keyed by their global name (torch's ``pg_id`` is a per-process index and
+    none), as torch's ``pg_status`` says; ``backend`` is the prefix of the group's calls'
+    ``profiling_name`` ("gloo", "nccl"; "" before its first call). On gloo (torch 2.13)
+    ``done`` equals ``issued`` even while the last call is blocked: it is no completion
+    there (docs/hangs.md, "What the record can tell"). Groups are keyed by their global name (torch's ``pg_id`` is a per-process index and
     differs between ranks that belong to different groups); groups the script did not create
     (a desync check's helper groups) are left out.
     """
     id_to_name: dict[str, str] = {}
+    backends: dict[str, str] = {}
+    sites = sites or {}
     calls = []
     last_seq: dict[str, int] = {}  # group name -> the sequence number of its latest call
     for e in sorted(dump.get("entries", []), key=lambda e: int(e.get("record_id", 0))):
@@ -204,12 +303,16 @@ def make_record(dump: dict, group_ranks: dict[str, str],
         if 0 < seq <= last_seq.get(name, 0):  # numbered from 1 again: a new group
             calls = [c for c in calls if c["group"] != name]
         last_seq[name] = seq
+        profiling = str(e.get("profiling_name", "?"))
+        if ":" in profiling:
+            backends[name] = profiling.split(":")[0]
         calls.append({
             "group": name,
             "seq": seq,
-            "op": str(e.get("profiling_name", "?")).split(":")[-1],
+            "op": profiling.split(":")[-1],
             "args": _describe_args(e.get("input_sizes", []), e.get("input_dtypes", [])),
             "issued_ms": int(e.get("time_created_ns", 0)) // 1_000_000,
+            "at": sites.get(int(e.get("record_id", -1)), ""),
         })  # fmt: skip
     groups = {}
     for pg_id, status in dump.get("pg_status", {}).items():
@@ -220,9 +323,41 @@ def make_record(dump: dict, group_ranks: dict[str, str],
             "ranks": group_ranks[name],
             "issued": max(0, int(status.get("last_enqueued_collective", 0))),
             "done": max(0, int(status.get("last_completed_collective", 0))),
+            "backend": backends.get(name, ""),
         }
     return {"pid": os.getpid(), "written_ms": int(time.time() * 1000), "groups": groups,
             "calls": calls[-FILE_CALLS:]}  # fmt: skip
+
+
+def call_site(frames) -> str:
+    """The innermost frame of the user's code among ``frames`` (``(filename, line, function)``,
+    innermost first, as `meshrun._torch.flight_recorder_frames` gives them), as
+    "/path/train.py:42 in step"; "" when every frame is torch's, meshrun's or Python's own
+    (the standard library, frozen modules). Other installed packages count as the user's (a
+    trainer library that issues the call is where the user meets it)."""
+    skip = _library_dirs()
+    for filename, line, func in frames:
+        if not filename or filename.startswith("<"):
+            continue
+        path = os.path.abspath(filename)
+        if any(path.startswith(d) for d in skip[:2]):
+            continue
+        if path.startswith(skip[2]) and not any(p in path for p in _PACKAGE_DIRS):
+            continue
+        return f"{filename}:{line} in {func}"
+    return ""
+
+
+_PACKAGE_DIRS = ("/site-packages/", "/dist-packages/")
+
+
+def _library_dirs() -> tuple[str, str, str]:
+    """(torch's package folder, meshrun's, the standard library's), each ending in "/"."""
+    torch = sys.modules.get("torch")
+    torch_dir = os.path.dirname(os.path.abspath(getattr(torch, "__file__", None) or "/nonexistent/x"))
+    meshrun_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stdlib = os.path.dirname(os.path.abspath(os.__file__))
+    return tuple(d.rstrip("/") + "/" for d in (torch_dir, meshrun_dir, stdlib))
 
 
 def _describe_args(sizes: list, dtypes: list) -> str:

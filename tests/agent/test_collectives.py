@@ -49,8 +49,9 @@ def test_make_record_keys_groups_by_name_and_leaves_out_p2p_and_foreign_groups()
         "pg_status": {"0": _status(1, 1), "1": _status(2, 1), "3": _status(7, 7)},
     }
     record = make_record(dump, {"0": "0-3", "2": "0-1"})
-    assert record["groups"] == {"0": {"ranks": "0-3", "issued": 1, "done": 1},
-                                "2": {"ranks": "0-1", "issued": 2, "done": 1}}  # fmt: skip
+    assert record["groups"] == {"0": {"ranks": "0-3", "issued": 1, "done": 1, "backend": "gloo"},
+                                "2": {"ranks": "0-1", "issued": 2, "done": 1,
+                                      "backend": "gloo"}}  # fmt: skip
     assert [(c["group"], c["seq"], c["op"], c["args"]) for c in record["calls"]] == [
         ("0", 1, "all_reduce", "float[4]"), ("2", 1, "all_gather", "float[4, 3]"),
         ("2", 2, "broadcast", "float[4]"),
@@ -233,7 +234,7 @@ def test_entries_of_destroyed_groups_are_left_out():
             "pg_status": {"0": _status(2, 2), "2": _status(1, 0)}}  # fmt: skip
     record = make_record(dump, {"0": "0-1"}, cutoff=1)
     assert [(c["seq"], c["op"]) for c in record["calls"]] == [(1, "all_reduce")]
-    assert record["groups"] == {"0": {"ranks": "0-1", "issued": 1, "done": 0}}
+    assert record["groups"] == {"0": {"ranks": "0-1", "issued": 1, "done": 0, "backend": "gloo"}}
 
 
 def test_desync_line_names_the_call_within_its_own_group():
