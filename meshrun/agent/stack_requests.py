@@ -23,6 +23,7 @@ from pathlib import Path
 from meshrun.agent.collectives import RECORD_ENV, RECORD_FILE, read_record, summary, wait_current
 from meshrun.agent.errors import WorkerFailure
 from meshrun.agent.hang import ProgressWatch, progress_env
+from meshrun.agent.say import say
 from meshrun.agent.stacks import (
     STACKS_TIMEOUT_S,
     Target,
@@ -32,12 +33,16 @@ from meshrun.agent.stacks import (
 )
 from meshrun.agent.verdicts import Place
 from meshrun.agent.workers import WorkerGroup
+from meshrun.rendezvous import RendezvousError, StoreLostError
 
-__all__ = ["STACKS_POLL_S", "STACKS_TIMEOUT_S", "StackRequests", "placed_by_last_words",
-           "take_stacks"]  # fmt: skip
+__all__ = ["STACKS_POLL_S", "STACKS_POLLS_PER_S", "STACKS_TIMEOUT_S", "StackRequests",
+           "placed_by_last_words", "poll_interval", "take_stacks"]  # fmt: skip
 
-#: Seconds between two looks for a ``meshrun stacks`` request (one store read each).
+#: Seconds between two reads of the ``meshrun stacks`` request key where no watch runs, for
+#: jobs of up to `STACKS_POLLS_PER_S` nodes (`poll_interval`).
 STACKS_POLL_S = 1.0
+#: Reads of the request key a second that a whole job sends its store, at most, when polling.
+STACKS_POLLS_PER_S = 16.0
 
 
 def take_stacks(
@@ -113,27 +118,61 @@ def placed_by_last_words(f: WorkerFailure, stderr_tail: str) -> WorkerFailure:
 class StackRequests:
     """Answers ``meshrun stacks`` requests found in the store (multi-node jobs: a one-node
     job's store is in the agent's process, and ``meshrun stacks LOGDIR`` reads the workers
-    directly). One store read every `STACKS_POLL_S`; each request is answered once."""
+    directly); each request is answered once, on the caller's thread (the agent's loop).
+
+    The request key is followed by a `meshrun.rendezvous.store.KeyWatch` (a watch on etcd, a
+    blocking wait on a TCPStore connection of its own, on a thread: `Rendezvous.
+    watch_stacks_requests`), so a request is seen at the first tick after it was written and
+    a quiet job costs one read per node every `WATCH_PIECE_S`; `answer` itself does no store
+    operation until there is a request. Where the watch cannot run (its connection failed)
+    the key is read every `poll_interval` instead, which grows with the node count.
+    """
 
     def __init__(self) -> None:
-        self._polled_at = 0.0  # monotonic time of the last look
+        self._polled_at = 0.0  # monotonic time of the last look (without a watch)
         self._answered: str | None = None  # the id of the last request answered
+        self._watch = None  # the rendezvous' KeyWatch, once started
+        self._fell_back = False  # the watch failed: poll
 
     def answer(self, rdzv, num_nodes: int, take: Callable[[], list[dict]]) -> None:
-        """Look for a new request in ``rdzv`` (not more often than every `STACKS_POLL_S`) and
-        answer it with ``take()``: this node's ranks' published records (places and stacks,
-        taken as for a failure report)."""
-        now = time.monotonic()
+        """Look for a new request (the watch's latest value, or a read every
+        `poll_interval`) and answer it in ``rdzv`` with ``take()``: this node's ranks'
+        published records (places and stacks, taken as for a failure report)."""
         if rdzv.settings.max_nodes == 1:  # an in-process store (`open_store`): nobody asks
             return  # (a one-node round of an elastic job, --nnodes 1:N, is asked: answer it)
-        if now - self._polled_at < STACKS_POLL_S:
-            return
-        self._polled_at = now
-        request = rdzv.stacks_request()
+        request = self._latest(rdzv, num_nodes)
         if request is None or request == self._answered:
             return
         self._answered = request
         rdzv.publish_stacks(request, json.dumps(take()).encode())
+
+    def _latest(self, rdzv, num_nodes: int) -> str | None:
+        if not self._fell_back:
+            if self._watch is None:
+                self._watch = rdzv.watch_stacks_requests()
+            if self._watch.error is None:
+                if not self._watch.ready:
+                    return None
+                try:
+                    return rdzv.stacks_request_id(self._watch.latest)
+                except RendezvousError:
+                    return None  # not a request meshrun wrote: nothing to answer
+            self._fell_back = True
+            if not isinstance(self._watch.error, StoreLostError):  # a lost store: poll says so
+                say(f"stacks requests: the watch of the store stopped ({self._watch.error}); "
+                    f"reading it every {poll_interval(num_nodes):g} s instead")  # fmt: skip
+        now = time.monotonic()
+        if now - self._polled_at < poll_interval(num_nodes):
+            return None
+        self._polled_at = now
+        return rdzv.stacks_request()
+
+
+def poll_interval(num_nodes: int) -> float:
+    """Seconds between two reads of the stacks request key by one node where no watch runs:
+    `STACKS_POLL_S`, or ``num_nodes / STACKS_POLLS_PER_S`` where that is longer (the job's
+    store then gets about `STACKS_POLLS_PER_S` reads a second, whatever the node count)."""
+    return max(STACKS_POLL_S, num_nodes / STACKS_POLLS_PER_S)
 
 
 def _comparable_count(progress, frames) -> int:

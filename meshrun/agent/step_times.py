@@ -101,10 +101,10 @@ class StepWatch:
                 self._steps.observe(spec.global_rank, p.heartbeats, p.blocked_ns, now)
         if now - self._published_at < publish_interval(info.num_nodes):
             return
-        self._published_at = now
         mine = self._steps.step_times()
         if not mine:
-            return
+            return  # nothing to publish yet: the first times go out as soon as there are some
+        self._published_at = now
         calls = {}
         if os.environ.get(RECORD_ENV) != "0":
             for spec in group.specs:

@@ -206,7 +206,9 @@ def describe(store, prefix: str, backend: str, keep_alive_interval: float) -> li
 
 def _step_times(store, prefix: str, round: int, num_nodes: int) -> list[str]:
     """Each rank's recent step time and busy time (what the straggler check sees; published by
-    every node's agent every few seconds), or nothing before the first steps."""
+    every node's agent every `publish_interval`: 2 s, longer past 32 nodes), or nothing before
+    the first steps. A rank whose waits meshrun.parallel does not count (torch's DDP) gets its
+    busy time from the arrivals published with them (`arrival_waits`)."""
     from meshrun.agent.stragglers import (
         arrival_waits,
         decode_arrivals,

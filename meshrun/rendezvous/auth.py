@@ -292,6 +292,14 @@ class AuthenticatedStore(Store):
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         return self.inner.liveness(node_id, dead_after)
 
+    def watcher(self) -> Store:
+        inner = self.inner.watcher()
+        return self if inner is self.inner else AuthenticatedStore(inner, self._secret,
+                                                                   self._run_id.decode())
+
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
     def last_value(self, key: str, since_version: int) -> bytes | None:
         raw = self.inner.last_value(key, since_version)
         return None if raw is None else self.open(key, raw)  # a forgery is no value

@@ -14,6 +14,7 @@ and a blocked call holds its connection. So (docs/design.md §3.2):
   TCPStore counter) draws the position, one ``multi_set`` writes ``<prefix>at/<position>`` (the
   value; waitable, as TCPStore waits for a key to exist) and ``<prefix>id/<name>``;
 - liveness is a heartbeat counter per node (`CounterLiveness`) on its own client connection;
+  so is a `KeyWatch`'s blocking wait (`watcher`; `interrupt` shuts it down at close);
 - ``delete_prefix`` lists the store's keys (``list_keys``, torch >= 2.6; with an older torch
   nothing is deleted: the store dies with the job anyway) and deletes those under the prefix.
 
@@ -229,8 +230,10 @@ class TCPStoreBackend(Store):
             self._store = self._connect(host, port, is_host, timeout, listen_fd)
             self.port = self._store.port
             self.serves_others = is_host
+            self._fds: set[int] = set()  # this client's own connection (`interrupt`)
             if not is_host:
-                for fd in _tcp_fds_to(host, self.port) - before:
+                self._fds = _tcp_fds_to(host, self.port) - before
+                for fd in self._fds:
                     _fail_fast_when_silent(fd, timeout)
 
     @staticmethod
@@ -424,6 +427,16 @@ class TCPStoreBackend(Store):
         # Its own connection: the heartbeat thread must not queue behind a blocked wait.
         client = TCPStoreBackend(self.host, self.port, is_host=False, timeout=self.timeout)
         return CounterLiveness(client, node_id, dead_after, prefix=LIVENESS_PREFIX)
+
+    def watcher(self) -> TCPStoreBackend:
+        # Its own connection: a blocked wait holds the one it is sent on.
+        return TCPStoreBackend(self.host, self.port, is_host=False, timeout=self.timeout)
+
+    def interrupt(self) -> None:
+        """Shut this client's connection down, so a wait blocked on it raises at once (a
+        thread left inside TCPStore's C++ at interpreter exit could abort the process)."""
+        for fd in self._fds:
+            _shutdown(fd)
 
     def close(self) -> None:
         self._store = None

@@ -372,6 +372,11 @@ class EtcdStore(Store):
         """The index in ``options.endpoints`` of the member this store talks to now."""
         return self._gw.current
 
+    def watcher(self) -> EtcdStore:
+        """A client of its own (its own connections, no job lease of its own: it only reads)
+        for a `KeyWatch`; its watch ends within the watch's timeout."""
+        return EtcdStore(self.options, self.prefix, job_lease=False, job_ttl=self.job_ttl)
+
     def liveness(self, node_id: str, dead_after: float) -> Liveness:
         live = EtcdLiveness(self.options, self.prefix, node_id, dead_after, self.job_lease)
         self._livenesses.append(live)

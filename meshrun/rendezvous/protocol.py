@@ -44,6 +44,12 @@ failure, a lost neighbour, waiting nodes) moves ``state`` to the next round with
 compare-and-set; the others notice on their next tick. A failure also spends one restart of the
 job's budget -- once per round, however many nodes saw failures in it.
 
+The diagnostics cost a bounded number of operations per node too: a ``meshrun stacks``
+request is seen by a `KeyWatch` of ``stacks/request`` (`watch_stacks_requests`: a watch on
+etcd, a blocking wait on TCPStore, on a thread and a client of its own; one read per
+`WATCH_PIECE_S` while no request comes), and step times are one write per node per
+``publish_interval`` (`meshrun.agent.step_times`), which grows with the node count.
+
 Old rounds' keys are deleted by node rank 0 of round T, on its first monitor tick: every round
 up to T-2 not deleted yet (``swept`` remembers how far). No node needs them by then: every
 member of T has left them, a spare waits on T's keys, a node that fell behind (stopped, cut
@@ -83,7 +89,7 @@ from meshrun.rendezvous.api import (
     encode_members,
 )
 from meshrun.rendezvous.restarts import Cause, Restart, cause_of, joining, node_lost
-from meshrun.rendezvous.store import Store, Versioned
+from meshrun.rendezvous.store import KeyWatch, Store, Versioned
 
 log = logging.getLogger("meshrun.rendezvous")
 
@@ -273,6 +279,8 @@ class Rendezvous:
         self._state_seen = 0  # the latest version of the job state this node read
         self.info: RendezvousInfo | None = None
         self._heartbeat = _Heartbeat(store, me.node_id, settings)
+        self._stacks_watch: KeyWatch | None = None  # `watch_stacks_requests`
+        self._steps_written = (-1, 0)  # (round, version) of this node's last step times
 
     # -- keys --------------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -681,11 +689,27 @@ class Rendezvous:
 
     def stacks_request(self) -> str | None:
         """The id of the latest live-stacks request (``meshrun stacks``), or None. One read."""
-        item = self.store.get(stacks_request_key(self._prefix))
+        return self.stacks_request_id(self.store.get(stacks_request_key(self._prefix)))
+
+    @staticmethod
+    def stacks_request_id(item: Versioned | None) -> str | None:
+        """The id in a value of the stacks request key (None: absent, or no id in it)."""
         if item is None:
             return None
         request = decode_json(item.value, "a stacks request")
         return request.get("id") if isinstance(request, dict) else None
+
+    def watch_stacks_requests(self) -> KeyWatch:
+        """A `KeyWatch` of the stacks request key on a store client of its own
+        (`Store.watcher`: a watch on etcd, a blocking wait on TCPStore), started once and
+        closed with this rendezvous: a request is seen when it is written, at a cost of one
+        read per `WATCH_PIECE_S` while none comes (polling cost one read a second per node)."""
+        if self._stacks_watch is None:
+            store = self.store
+            self._stacks_watch = KeyWatch(
+                store.watcher, stacks_request_key(self._prefix), owned=True
+            ).start()
+        return self._stacks_watch
 
     def publish_stacks(self, request_id: str, value: bytes) -> None:
         """Answer live-stacks request ``request_id`` with this node's ranks' stacks (opaque)."""
@@ -695,17 +719,30 @@ class Rendezvous:
     def publish_step_times(self, value: bytes) -> None:
         """Publish this node's ranks' recent step times (an opaque value, for the straggler
         check and ``meshrun status``) for the current round; replaces its last value. One
-        read and one write; only this node writes its key."""
+        write (a compare-and-set on the version this node wrote last; a read first only
+        where that failed, or on the round's first publication); only this node writes its
+        key."""
         key = steps_key(self._prefix, self.info.round, self.info.node_rank)
-        current = self.store.get(key)
-        self.store.compare_and_set(key, current.version if current else 0, value)
+        round, version = self._steps_written
+        if round != self.info.round:
+            current = self.store.get(key)
+            version = current.version if current else 0
+        ok, current = self.store.compare_and_set(key, version, value)
+        if not ok:  # somebody else wrote it (or our last write's reply was lost): once more
+            ok, current = self.store.compare_and_set(key, current.version if current else 0,
+                                                     value)  # fmt: skip
+        self._steps_written = (self.info.round, current.version) if ok and current else (-1, 0)
 
     def step_times(self, round: int | None = None) -> list[bytes]:
         """Every member's last published step times of ``round`` (default: this node's
-        current round), one value per node that published; one read per member."""
+        current round), one value per node that published; one read per member (and one of
+        the round's members, for another round than this node's)."""
         round = self.info.round if round is None else round
-        closed = self.store.get(self._round_key(round, "closed"))
-        n = len(decode_members(closed.value)) if closed is not None else 0
+        if self.info is not None and round == self.info.round:
+            n = self.info.num_nodes
+        else:
+            closed = self.store.get(self._round_key(round, "closed"))
+            n = len(decode_members(closed.value)) if closed is not None else 0
         keys = [steps_key(self._prefix, round, r) for r in range(n)]
         return [item.value for item in self._get_existing(keys)]
 
@@ -870,8 +907,10 @@ class Rendezvous:
             time.sleep(0.05)
 
     def close(self) -> None:
-        """Stop the heartbeat thread."""
+        """Stop the heartbeat thread and the stacks requests' watch."""
         self._heartbeat.stop()
+        if self._stacks_watch is not None:
+            self._stacks_watch.close()
 
 
 class _Heartbeat:

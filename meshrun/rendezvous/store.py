@@ -185,8 +185,120 @@ class Store(abc.ABC):
         """Delete every key under ``prefix`` (old rounds; etcd: nothing may be left after a
         job). A store that cannot list its keys may keep them (they die with it)."""
 
+    def watcher(self) -> Store:
+        """A store for `wait_for_change` from another thread while this one is in use: its own
+        connection where a blocked wait holds one (TCPStore), its own client elsewhere (etcd);
+        this store itself where waits do not block others (memory). `KeyWatch` uses it.
+        The caller closes what it got unless it is this store.
+
+        Raises:
+            StoreLostError: a new connection cannot be made.
+        """
+        return self
+
+    def interrupt(self) -> None:  # noqa: B027 - optional
+        """Make a `wait_for_change` blocked in this store on another thread return soon (it
+        may raise `StoreLostError`); this store is closed afterwards. A store whose waits end
+        within their timeout anyway need not do anything."""
+
     def close(self) -> None:  # noqa: B027
         """Release connections (a hosted store also stops serving)."""
+
+
+#: Seconds one wait of a `KeyWatch` lasts before it is renewed (one read each time).
+WATCH_PIECE_S = 30.0
+
+
+class KeyWatch:
+    """The latest value of one key, followed from a thread, so that a loop that must not
+    block reads it (`latest`) without a store operation.
+
+    The thread reads the key once, then calls ``wait_for_change`` past the version it holds,
+    over and over, on a store of its own (``open_store()``, typically `Store.watcher`): on etcd
+    a watch (no request until the key changes), on TCPStore a wait on its own connection
+    (the server answers when the key's next change marker appears). Cost: one read when it
+    starts and after each change, and one more every ``piece`` seconds of quiet (where the
+    wait is renewed); nothing else, whatever the caller's tick.
+
+    Args:
+        open_store: called once, on the thread, for the store to wait on.
+        key: the key followed.
+        owned: whether `close` closes that store (False where it is the caller's own).
+        piece: seconds each wait lasts (`WATCH_PIECE_S`).
+
+    Attributes:
+        latest: the value last seen (None: absent, or not read yet; see `ready`).
+        error: the store error that ended the thread, or None while it runs.
+    """
+
+    def __init__(
+        self,
+        open_store: Callable[[], Store],
+        key: str,
+        *,
+        owned: bool = True,
+        piece: float = WATCH_PIECE_S,
+    ):
+        self.key = key
+        self.latest: Versioned | None = None
+        self.error: BaseException | None = None
+        self._open_store = open_store
+        self._owned = owned
+        self._piece = piece
+        self._store: Store | None = None
+        self._ready = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="meshrun-key-watch", daemon=True)
+
+    def start(self) -> KeyWatch:
+        self._thread.start()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        """Whether the first read is done (`latest` is then the key's value)."""
+        return self._ready.is_set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread still runs (it ends at `close`, or on a store error)."""
+        return self._thread.is_alive()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for the first read (tests); returns `ready`."""
+        return self._ready.wait(timeout)
+
+    def _run(self) -> None:
+        try:
+            self._store = self._open_store()
+            if self._stopped:  # closed while it connected
+                if self._owned:
+                    self._store.close()
+                return
+            item = self._store.get(self.key)
+            self.latest = item
+            self._ready.set()
+            while not self._stopped:
+                version = item.version if item is not None else 0
+                item = self._store.wait_for_change(self.key, version, self._piece)
+                if (item.version if item is not None else 0) != version:
+                    self.latest = item
+        except Exception as e:  # noqa: BLE001 - the caller falls back (and sees a lost store)
+            if not self._stopped:
+                self.error = e
+        finally:
+            self._ready.set()
+
+    def close(self) -> None:
+        """Stop the thread (its wait is interrupted where the store can), and close its store."""
+        self._stopped = True
+        store = self._store
+        if store is not None and self._owned:
+            store.interrupt()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        if store is not None and self._owned:
+            store.close()
 
 
 def parse_position(raw: bytes, prefix: str) -> int:
