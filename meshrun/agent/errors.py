@@ -49,6 +49,8 @@ __all__ = [
     "root_cause",
 ]
 
+_PLACES = {p.value for p in Place}
+
 #: Bytes of message + traceback one failure record may carry to the rendezvous store.
 PUBLISHED_MAX_BYTES = 4096
 
@@ -102,10 +104,11 @@ class WorkerFailure:
     #: True for a rank that did not fail: the agent stopped it after another's failure (its
     #: record says where it was; it is never the root cause).
     stopped: bool = False
-    #: Where the rank was (`meshrun.agent.stacks.classify`): "waiting" (inside a collective),
-    #: "running" (anywhere else), "unknown", or "" when not known; the collective it waited in;
-    #: the innermost frame of its own code; meshrun.parallel collectives issued (-1: unknown).
-    state: str = ""
+    #: Where the rank was, a `Place` (`placed`: its collective record's pending call, else
+    #: `meshrun.agent.stacks.classify`; a value read back from the store becomes the enum),
+    #: or "" when not placed; the collective it waited in; the innermost frame of its own
+    #: code; meshrun.parallel collectives issued (-1: unknown).
+    state: Place | str = ""
     collective: str = ""
     at: str = ""
     collectives: int = -1
@@ -114,6 +117,13 @@ class WorkerFailure:
     stack_problem: str = ""
     #: Its recent collectives (`meshrun.agent.collectives.summary`; {} when not recorded).
     calls: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the place as the enum it is (records read back from the store carry its value);
+        # "" stays "" (not placed: a rank that failed on its own)
+        if self.state and not isinstance(self.state, Place):
+            object.__setattr__(self, "state", Place(self.state) if self.state in _PLACES
+                               else Place.UNKNOWN)  # fmt: skip
 
     @property
     def signal_name(self) -> str | None:
