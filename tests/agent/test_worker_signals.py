@@ -106,3 +106,65 @@ def test_a_warning_sent_to_meshrun_reaches_a_worker_that_sigwaits_for_it(launch)
     mine, rc, err = run_pattern(launch, "meshrun", "sigwait", "launcher")
     assert mine == {0: ["SIGUSR1", "SIGUSR1"], 1: ["SIGUSR1", "SIGUSR1"]}, err[-3000:]
     assert rc == 0, err[-3000:]
+
+
+def _blocked_mask(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+
+
+@pytest.mark.timeout(30)
+def test_start_thread_blocks_every_signal_in_the_new_thread_only():
+    import threading
+
+    from meshrun.worker_signals import start_thread
+
+    before = _blocked_mask(threading.get_native_id())
+    seen, go = {}, threading.Event()
+
+    def body():
+        seen["mask"] = _blocked_mask(threading.get_native_id())
+        go.wait(10)
+
+    thread = start_thread(threading.Thread(target=body, daemon=True))
+    try:
+        for _ in range(500):
+            if "mask" in seen:
+                break
+            threading.Event().wait(0.01)
+        every = 0
+        for s in signal.valid_signals():
+            if s not in (signal.SIGKILL, signal.SIGSTOP):  # the kernel never blocks these
+                every |= 1 << (s - 1)
+        assert seen["mask"] & every == every, hex(seen["mask"])
+        assert _blocked_mask(threading.get_native_id()) == before  # the caller's mask is back
+    finally:
+        go.set()
+        thread.join(10)
+
+
+# The files whose code runs inside workers (the parallel library, what the worker site loads):
+# each thread they make is started through worker_signals.start_thread.
+WORKER_SIDE = ["meshrun/parallel", "meshrun/agent/collective_record.py", "meshrun/exit_guard.py",
+               "meshrun/_torch.py", "meshrun/in_place.py", "meshrun/agent/worker_site"]  # fmt: skip
+
+
+def test_every_thread_made_in_worker_code_is_started_with_signals_blocked():
+    """A source check (for threads added later): in the worker-side files, as many
+    ``threading.Thread(`` as ``start_thread(`` calls, and no thread ``.start()`` of their own."""
+    import re
+
+    repo = Path(__file__).resolve().parents[2]
+    files = []
+    for entry in WORKER_SIDE:
+        path = repo / entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    made = started = 0
+    for path in files:
+        text = path.read_text()
+        made_here = len(re.findall(r"threading\.Thread\(", text))
+        started_here = len(re.findall(r"start_thread\(", text))
+        assert made_here <= started_here, f"{path}: a thread started without start_thread"
+        assert not re.search(r"_thread\.start\(\)|\bthread\.start\(\)", text), path
+        made, started = made + made_here, started + started_here
+    assert made >= 4, made  # the record's, busy()'s, the checkpoint's, the elastic watch's
