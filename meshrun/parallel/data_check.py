@@ -248,11 +248,12 @@ def watch_torch_wrappers() -> None:
     own = FSDPModule.__dict__.get("__call__")
 
     def __call__(self, *args, **kwargs):
-        if self not in _fsdp_checks and self not in _fsdp_inner:
-            _fsdp_checks[self] = _torch_fsdp_check(self)
-        check = _fsdp_checks.get(self)
-        if check is not None and not check.done:
-            check(args, kwargs)
+        if not torch.compiler.is_compiling():  # traced: nothing of ours goes into the graph
+            if self not in _fsdp_checks and self not in _fsdp_inner:
+                _fsdp_checks[self] = _torch_fsdp_check(self)
+            check = _fsdp_checks.get(self)
+            if check is not None and not check.done:
+                check(args, kwargs)
         if own is not None:
             return own(self, *args, **kwargs)
         return super(FSDPModule, self).__call__(*args, **kwargs)
