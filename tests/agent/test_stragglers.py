@@ -271,3 +271,30 @@ def test_torch_ddp_that_beats_gets_a_straggler_line_and_a_balanced_run_none(laun
     assert m, warnings
     busy, step, median = map(float, m.groups())
     assert busy >= 150 and median < busy / 2 and step >= busy, warnings
+
+
+@pytest.mark.timeout(180)
+def test_torch_ddp_straggler_on_another_node_through_the_store(launch):
+    """Two agents on 127.0.0.1 (c10d), one rank each: rank 1's arrivals reach node rank 0
+    through the store (published with its step times), which names it, on another node."""
+    port = launch.free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "straggle",
+              "--rdzv-conf", "last_call_timeout=0.5", "--hang-timeout", "30",
+              str(SCRIPTS / "ddp_straggler.py"), "1", "80"]  # fmt: skip
+    first = launch.start(common)
+    launch.wait_for(lambda: first.poll() is not None or _listening(port), 30, what="the store")
+    second = launch.start(common)
+    outs = [p.communicate(timeout=160) for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], [err for _, err in outs]
+    lines = [line for _, err in outs for line in err.splitlines() if "is a straggler" in line]
+    assert len(lines) == 1, [err for _, err in outs]
+    assert re.search(r"rank 1 is a straggler: busy [\d.]+ ms .* \(rank 1 is on another node\)",
+                     lines[0]), lines  # fmt: skip
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

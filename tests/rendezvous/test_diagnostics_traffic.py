@@ -180,7 +180,9 @@ def _check_traffic_and_latency(stores: list[Store], asker: Store, tmp_path: Path
         answers = [stacks_answer_key(prefix, "req1", r) for r in (0, 1)]
         _run(nodes, 30, until=lambda: all(asker.get(k) is not None for k in answers))
         latency = time.monotonic() - asked
-        print(f"a stacks request answered by both nodes {latency * 1e3:.0f} ms after it was written")
+        print(
+            f"a stacks request answered by both nodes {latency * 1e3:.0f} ms after it was written"
+        )
         assert all(asker.get(k) is not None for k in answers)
         assert latency < 3.0  # the watch wakes at once; generous for a loaded machine
         assert worker.answered == rank0.answered == 1
@@ -243,5 +245,28 @@ def test_a_key_watch_sees_each_change_and_its_close_ends_a_blocked_tcpstore_wait
         watch.close()
         assert not watch.running and time.monotonic() - started < 2.0
         assert watch.error is None
+    finally:
+        host.close()
+
+
+def test_a_key_watch_through_the_secret_sees_the_opened_value_on_a_connection_of_its_own():
+    from meshrun.rendezvous.auth import AuthenticatedStore
+    from meshrun.rendezvous.c10d import TCPStoreBackend
+    from meshrun.rendezvous.store import KeyWatch
+
+    host = TCPStoreBackend("127.0.0.1", 0, is_host=True, timeout=5.0)
+    auth = AuthenticatedStore(host, b"s" * 32, "job")
+    try:
+        watcher = auth.watcher()
+        assert isinstance(watcher, AuthenticatedStore) and watcher.inner is not host
+        watch = KeyWatch(lambda: watcher, "/req").start()
+        assert watch.wait_ready(10)
+        auth.compare_and_set("/req", 0, b'{"id": "x"}')
+        deadline = time.monotonic() + 10
+        while watch.latest is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.latest.value == b'{"id": "x"}'  # opened, not the sealed bytes
+        watch.close()
+        assert not watch.running
     finally:
         host.close()
