@@ -103,4 +103,4 @@ class LaunchConfig:
 
     # -- meshrun's own ---------------------------------------------------------------------
     hang_timeout: float | None = None
-    desync_check: bool = False  # TORCH_DISTRIBUTED_DEBUG=DETAIL in the workers
+    desync_check: bool = False  # the agent compares the ranks' records (meshrun.agent.desync)

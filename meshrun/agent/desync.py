@@ -317,8 +317,10 @@ class DesyncCheck:
         self._published_at = 0.0
         self._digest = b""
         self._version = 0
-        self._remote: dict[int, Record] = {}
+        self._where: dict[int, tuple[int, int, str, int]] = {}  # another node's rank ->
+        # (local rank, pid, host, node rank), from its digest
         self._finished: set[int] = set()
+        self._pids: dict[int, int] = {}
         self._offset_since: dict[tuple[str, int], float] = {}
         self._reported = False
 
@@ -329,6 +331,7 @@ class DesyncCheck:
             return {}
         self._read_at = now
         records = {}
+        self._pids = dict(zip((s.global_rank for s in group.specs), group.pids, strict=True))
         for spec, code, _ in group.outcomes():
             record = read_record(spec.log_dir / RECORD_FILE)
             if record is None:
@@ -339,13 +342,16 @@ class DesyncCheck:
                 self._finished.add(spec.global_rank)
         return records
 
-    def _exchange(self, rdzv, info, records: dict[int, Record], now: float) -> None:
+    def _exchange(self, rdzv, info, group, records: dict[int, Record], now: float) -> None:
         """Publish this node's digest (multi-node), and on node rank 0 read the others'."""
         if info.num_nodes < 2 or now - self._published_at < PUBLISH_EVERY_S:
             return
         self._published_at = now
+        local = {s.global_rank: s.local_rank for s, _, _ in group.outcomes()}
         digest = json.dumps({"ranks": {str(r): summary(rec) for r, rec in records.items()},
-                             "finished": sorted(self._finished)}, sort_keys=True).encode()
+                             "finished": sorted(self._finished), "host": self.host,
+                             "where": {str(r): [local[r], self._pids.get(r, 0)]
+                                       for r in records}}, sort_keys=True).encode()
         store = rdzv.store
         if records and digest != self._digest:
             key = desync_key(rdzv.settings.run_id, info.round, info.node_rank)
@@ -365,6 +371,8 @@ class DesyncCheck:
                 for r, s in data["ranks"].items():
                     self.ledger.add(int(r), from_summary(s), now)
                 self._finished.update(int(r) for r in data.get("finished", []))
+                for r, (local_rank, pid) in data.get("where", {}).items():
+                    self._where[int(r)] = (int(local_rank), int(pid), str(data["host"]), n)
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue  # a bad digest: that node's ranks are left out this time
 
@@ -378,7 +386,7 @@ class DesyncCheck:
         records = self._read(group, now)
         if not records:
             return None
-        self._exchange(rdzv, info, records, now)
+        self._exchange(rdzv, info, group, records, now)
         if info.num_nodes > 1 and info.node_rank != 0:
             return None  # node rank 0 decides for the job
         found = self.ledger.mismatch(now)
@@ -468,7 +476,16 @@ class DesyncCheck:
                                        timestamp_ms=stamp))  # fmt: skip
             elif rank in placed:
                 records.append(base)
-        if not any(f.global_rank in blamed for f in records) and not failed:
+        mine = {s.global_rank for s in group.specs}
+        theirs = []
+        for rank in sorted(blamed - mine):  # on another node: its digest says where
+            if rank in self._where:
+                local_rank, pid, host, node_rank = self._where[rank]
+                theirs.append(WorkerFailure(
+                    local_rank=local_rank, global_rank=rank, pid=pid, exitcode=exit_status,
+                    timestamp_ms=now_ms, host=host, node_rank=node_rank, message=found.line,
+                    source="desync", stopped=False))  # fmt: skip
+        if not theirs and not any(f.global_rank in blamed for f in records) and not failed:
             # the likely cause is on another node, or none (a tie): this node's running ranks
             # are the failures, each with the line, so the report says it
             records = [replace(f, stopped=False, exitcode=exit_status, message=found.line,
@@ -477,8 +494,10 @@ class DesyncCheck:
         report.stacks_taken = True
         self._emit("desync", round=info.round, group=found.group, seq=found.seq,
                    what=found.kind, culprits=list(found.culprits), line=found.line)  # fmt: skip
-        if records:
-            rdzv.publish_failures([report.record(f, info.node_rank) for f in records])
+        published = [report.record(f, info.node_rank) for f in records]
+        published += [json.loads(f.capped().to_json()) for f in theirs]  # their own host
+        if published:
+            rdzv.publish_failures(published)
         who = f"rank {ranges(found.culprits, sep=', ')}" if found.culprits else "the ranks"
         return rdzv.request_restart(Restart(
             f"desync on {self.host}: {who} ({found.line})", Cause.FAILURE))

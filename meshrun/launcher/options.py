@@ -131,10 +131,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
               "progress for this long. Default: off."),
     _opt("desync_check", group=SUPERVISION, pet=False, is_flag=True, default=False,
          env=("MESHRUN_DESYNC_CHECK",),
-         help="meshrun's own: before each collective the ranks compare what they call (op, "
-              "shapes, dtypes; torch's TORCH_DISTRIBUTED_DEBUG=DETAIL), so a rank that calls "
-              "another collective fails at once, naming both calls, instead of hanging. "
-              "Costs one small all-gather per collective. Default: off."),
+         help="meshrun's own: the agent compares the ranks' collective records (call "
+              "number, op, shapes, dtypes), so a rank that calls another collective, or one "
+              "of another shape, stops the job within seconds, naming both calls (exit 1), "
+              "instead of hanging; a skipped or extra call is named by its offset at a hang "
+              "or when a rank finishes. Adds nothing to the workers' collectives. Default: "
+              "off."),
     # -- output -----------------------------------------------------------------------------
     _opt("log_dir", group=OUTPUT, metavar="DIR",
          help="Where per-rank logs go (<run id>/<host>_<agent pid>/attempt_<round>/<local rank>/). Default: a temporary "

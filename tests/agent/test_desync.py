@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,27 @@ def _run(launch, mode: str, nproc: int, *extra: str, timeout_s: float = 60):
                          "--log-dir", str(logs), "--desync-check", *extra, str(SCRIPT), mode,
                          str(timeout_s)], timeout=120)  # fmt: skip
     return result, logs
+
+
+def _said(err: str) -> str:
+    """The agent's desync line, less the call sites (" at t.py:12 in step": where the record
+    has them, from the worker's side; checked by `_sites`)."""
+    found = re.search(r"^meshrun: (desync .*) \(--desync-check\)$", err, re.M)
+    assert found, err
+    return _SITE.sub("", found[1])
+
+
+_SITE = re.compile(r" at (\S+):(\d+) in [^\s,;]+")
+
+
+def _sites(err: str) -> set[int]:
+    """The script's lines named as call sites in the desync line ({} where there are none)."""
+    found = re.search(r"^meshrun: (desync .*)$", err, re.M)
+    return {int(m[2]) for m in _SITE.finditer(found[1]) if m[1].endswith(SCRIPT.name)}
+
+
+def _line_of(text: str) -> int:
+    return next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if text in line)
 
 
 def _desync_event(logs: Path) -> dict:
@@ -47,9 +69,12 @@ def test_a_reordered_call_is_named_within_5_s_with_the_calls_on_each_side(launch
     assert result.returncode == 1, err
     line = ("desync in group 0 at call #5: rank 2 called barrier(), ranks 0-1 called "
             "all_reduce(float[1024])")
-    assert re.search(rf"^meshrun: {re.escape(line)}( at \S+)?.* \(--desync-check\)$", err,
-                     re.M) or f"meshrun: {line} (--desync-check)" in err, err  # fmt: skip
-    assert "  rank       : 2 (local rank 2)" in err and f"  message    : {line}" in err, err
+    assert _said(err) == line, err
+    # call sites, where the record has them: the barrier's line, the all_reduce before the
+    # others' barrier
+    sites = {_line_of("dist.barrier()  # the mistake"), _line_of("        dist.barrier()") - 1}
+    assert _sites(err) <= sites, err
+    assert "  rank       : 2 (local rank 2)" in err and "  message    : desync in group 0" in err
     assert re.search(r"^Collectives: in group 0, rank 2 (is at|called) barrier #5", err, re.M), err
     event = _desync_event(logs)
     assert event["culprits"] == [2] and event["what"] == "mismatch", event
@@ -67,7 +92,7 @@ def test_a_call_of_another_shape_is_named_within_5_s(launch):
     assert result.returncode == 1, err
     line = ("desync in group 0 at call #5: rank 1 called all_reduce(float[2, 4]), ranks 0, 2 "
             "called all_reduce(float[8])")
-    assert f"meshrun: {line}" in err, err
+    assert _said(err) == line, err
     assert "  rank       : 1 (local rank 1)" in err, err
     event = _desync_event(logs)
     assert event["culprits"] == [1], event
@@ -86,8 +111,8 @@ def test_a_skip_then_identical_calls_is_named_by_its_offset_at_a_hang(launch):
     assert result.returncode == 124, err
     line = ("desync in group 0: rank 0 is 1 call behind: rank 0 last called all_reduce #9 "
             "(float[1024]); rank 1 last called all_reduce #10 (float[1024])")
-    assert f"meshrun: {line}" in err, err
-    assert "  rank       : 0 (local rank 0)" in err and f"  message    : {line}" in err, err
+    assert _said(err) == line, err
+    assert "  rank       : 0 (local rank 0)" in err and "  message    : desync in group 0" in err
     assert _desync_event(logs)["what"] == "offset"
 
 
@@ -102,7 +127,7 @@ def test_a_skip_then_identical_calls_is_named_by_its_offset_at_the_end(launch, n
     others = "rank 1" if nproc == 2 else "ranks 1-2"
     line = (f"desync in group 0: rank 0 is 1 call behind: rank 0 last called all_reduce #9 "
             f"(float[1024]); {others} last called all_reduce #10 (float[1024])")
-    assert f"meshrun: {line}" in err, err
+    assert _said(err) == line, err
     assert "  rank       : 0 (local rank 0)" in err, err
 
 
@@ -128,3 +153,52 @@ def test_a_correct_torch_ddp_script_passes_with_the_check_and_trains_the_same(la
             calls = json.loads(path.read_text())["calls"]
             assert any(c["group"] == "0" and c["op"] == "all_reduce" for c in calls), calls
     assert len(runs[True]) == 2 and runs[True] == runs[False], runs
+
+
+@pytest.mark.timeout(150)
+def test_two_nodes_a_reordered_call_on_the_other_node_is_named_through_the_store(tmp_path):
+    """2 nodes x 2 ranks (c10d): rank 3, on node rank 1, reorders its calls. Node rank 0 reads
+    node 1's digest from the store, names rank 3 within 5 s, and every node's report has rank
+    3 as the root cause with the line."""
+    import subprocess
+    import time
+
+    from conftest import free_port, meshrun_env
+
+    port = free_port()
+    logs = tmp_path / "logs"
+    procs = []
+    try:
+        for n in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", "2",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--rdzv-id", "desync", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=30",
+                 "--shutdown-timeout", "2", "--log-dir", str(logs), "--desync-check",
+                 str(SCRIPT), "reorder", "60"],
+                env=meshrun_env(), cwd=tmp_path, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))  # fmt: skip
+            if n == 0:
+                time.sleep(1.0)  # node rank 0 hosts the store
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    line = ("desync in group 0 at call #5: rank 3 called barrier(), ranks 0-2 called "
+            "all_reduce(float[1024])")
+    assert _said(outs[0][1]) == line, outs[0][1]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, err
+        report = err[err.index("Root cause") :]
+        assert "  rank       : 3 (local rank 1)" in report, report
+        assert "  host       : " in report and "(node rank 1)" in report, report
+        assert "  message    : desync in group 0 at call #5: rank 3 called barrier()" in report
+    events = [e for p in logs.rglob("events.jsonl")
+              for e in map(json.loads, p.read_text().splitlines()) if e["kind"] == "desync"]
+    assert len(events) == 1 and events[0]["culprits"] == [3], events
+    seconds = _seconds_to_report(logs, events[0])
+    print(f"two nodes: reorder named {seconds:.2f} s after the mismatched call")
+    assert seconds < 5, seconds
