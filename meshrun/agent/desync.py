@@ -112,6 +112,7 @@ class Finding:
             ranks ahead made that the others did not).
         kind: "mismatch" or "offset".
         complete: every member's call is known (a mismatch); always True for an offset.
+        ahead: for an offset, the ranks that made the most calls.
     """
 
     line: str
@@ -120,6 +121,7 @@ class Finding:
     seq: int
     kind: str
     complete: bool = True
+    ahead: tuple[int, ...] = ()
 
 
 @dataclass
@@ -262,7 +264,7 @@ def _offset_finding(name: str, calls: _GroupCalls, issued: dict[int, int], epoch
                 f"call #{n}" if n else "no call in this group")
             last.append(f"{_ranks_word(ranks)} last called {what}")
     line = f"desync in group {name}: {head}: " + "; ".join(last)
-    return Finding(line, culprits, name, front, "offset")
+    return Finding(line, culprits, name, front, "offset", ahead=tuple(ahead))
 
 
 def _call_text(by_rank: dict[int, Call], ranks: list[int], numbered: int | None = None) -> str:
@@ -401,7 +403,7 @@ class DesyncCheck:
         still runs (a rank ahead that finished too: the job ended well as far as its
         collectives go)."""
         found = self.ledger.offset(finished=self._finished)
-        if found is None or set(found.culprits) | self._finished >= self.ledger.ranks():
+        if found is None or set(found.ahead) <= self._finished:
             self._offset_since.clear()
             return None
         since = self._offset_since.setdefault((found.group, found.seq), now)

@@ -54,7 +54,7 @@ def _desync_event(logs: Path) -> dict:
 def _seconds_to_report(logs: Path, event: dict) -> float:
     """From the first mismatched call (the script's own line, before it) to the desync event."""
     started = min(float(m[1]) for p in logs.rglob("stdout.log")
-                  for m in re.finditer(r"desync_mistakes: mismatch at ([\d.]+)", p.read_text()))
+                  for m in re.finditer(r"(?:desync_mistakes|ddp_train): mismatch at ([\d.]+)", p.read_text()))
     return event["t"] - started
 
 
@@ -132,6 +132,26 @@ def test_a_skip_then_identical_calls_is_named_by_its_offset_at_the_end(launch, n
 
 
 DDP = SCRIPTS / "ddp_train.py"
+
+
+@pytest.mark.timeout(150)
+def test_torch_ddp_with_an_uneven_last_batch_is_named_within_5_s(launch):
+    """torch's DDP, 3 ranks: rank 2 has one batch fewer and goes to the end-of-epoch barrier
+    while ranks 0-1 wait in DDP's bucket all-reduce, issued from C++ (no Python frame names
+    it): the check names both calls and rank 2 within 5 s, without --hang-timeout."""
+    logs = launch.cwd / "logs"
+    result = launch.run(["--nproc-per-node", "3", "--shutdown-timeout", "2", "--log-dir",
+                         str(logs), "--desync-check", str(DDP), "uneven"], timeout=120)
+    err = result.stderr
+    assert result.returncode == 1, err
+    assert re.fullmatch(r"desync in group 0 at call #\d+: rank 2 called barrier\(\), ranks 0-1 "
+                        r"called all_reduce\(float\[\d+\]\)", _said(err)), err  # fmt: skip
+    assert "  rank       : 2 (local rank 2)" in err, err
+    event = _desync_event(logs)
+    assert event["culprits"] == [2], event
+    seconds = _seconds_to_report(logs, event)
+    print(f"torch DDP uneven batch named {seconds:.2f} s after the last step began")
+    assert seconds < 5, (seconds, err)
 
 
 @pytest.mark.timeout(200)

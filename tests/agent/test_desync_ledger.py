@@ -145,3 +145,12 @@ def test_a_group_made_again_under_its_name_starts_its_count_again():
     ledger.add(0, _record(other, (0, 1), 2))  # destroyed and made again: numbered from 1
     ledger.add(1, _record(other, (0, 1), 2))
     assert ledger.mismatch(wait=0.0) is None and ledger.offset() is None
+
+
+def test_an_offset_names_the_ranks_ahead():
+    ledger = Ledger()
+    calls = [("all_reduce", "float[4]")] * 5
+    for rank, made in ((0, 4), (1, 5), (2, 4)):  # rank 1 made one call more
+        ledger.add(rank, _record(calls, (0, 1, 2), made))
+    found = ledger.offset(finished={0, 2})
+    assert found is not None and found.culprits == (1,) and found.ahead == (1,), found
