@@ -103,3 +103,42 @@ def _run(launch, command: list[str], env: dict[str, str]):
         out, err = proc.communicate()
         raise AssertionError(f"meshrun did not finish within 100 s\n{err}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+OWN_HANDLER = """
+import os, signal, sys, time
+def mine(signum, frame):
+    print("mine", flush=True)
+signal.signal(int(os.environ["MESHRUN_STACK_SIGNAL"]), mine)  # the script's own, after the site's
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_script_with_its_own_handler_for_the_stack_signal_keeps_it(tmp_path, monkeypatch):
+    """The worker site armed faulthandler (a plain script: no meshrun import); the script then
+    installs its own handler for the signal: the agent's request reaches the script's handler,
+    the worker lives on, and the stack is reported missing, not made up."""
+    from support import meshrun_env
+
+    from meshrun.agent import stacks as stacks_mod
+    from meshrun.agent.hang import progress_env
+    from meshrun.agent.stacks import Target, collect_stacks
+    from meshrun.agent.worker_env import WORKER_SITE
+
+    monkeypatch.setattr(stacks_mod, "_py_spy", lambda: None)
+    env = meshrun_env(**progress_env(tmp_path), PYTHONPATH=WORKER_SITE)
+    proc = subprocess.Popen([sys.executable, "-c", OWN_HANDLER], env=env, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert (tmp_path / "stack.txt").exists()  # armed by the site, before the script ran
+        taken = collect_stacks([Target(0, proc.pid, tmp_path / "stack.txt", tmp_path / "x.txt")],
+                               timeout=1.0)[0]  # fmt: skip
+        assert proc.stdout.readline().strip() == "mine"
+        assert proc.poll() is None
+        assert taken.text == "" and "faulthandler did not answer" in taken.problem, taken
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
