@@ -23,6 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from meshrun.agent.collectives import RECORD_ENV, RECORD_FILE
@@ -80,11 +81,13 @@ class StepWatch:
         self._steps = StepTimes()
         self._stragglers = Stragglers()
         self._published_at = 0.0  # monotonic time this node last published its step times
+        self._calls_base: dict[int, tuple[int, int]] = {}  # rank -> (heartbeats, calls issued)
 
     def new_round(self) -> None:
         """Forget the last round's times (the ranks and their speeds may have changed)."""
         self._steps.forget()
         self._stragglers.reset()
+        self._calls_base.clear()
 
     def tick(
         self, rdzv, info: RendezvousInfo, group: WorkerGroup | None, watch: ProgressWatch | None
@@ -111,7 +114,7 @@ class StepWatch:
                 r = spec.global_rank
                 if r in mine and not self._steps.counted(r):
                     if (a := read_arrivals(spec.log_dir)) is not None:
-                        calls[r] = a
+                        calls[r] = self._with_per_step(r, a, mine[r].steps)
         merged, arrivals = dict(mine), dict(calls)
         if info.num_nodes > 1:
             rdzv.publish_step_times(encode_step_times(mine, calls).encode())
@@ -131,6 +134,16 @@ class StepWatch:
             say(f"warning: {s.describe()} (rank {s.rank} is on {self._host_of(s.rank, info)})")
             self._emit("straggler", round=info.round, rank=s.rank, step_s=s.step_s,
                        busy_s=s.busy_s, median_s=s.median_s, steps=s.steps)  # fmt: skip
+
+    def _with_per_step(self, rank: int, a: Arrivals, beats: int) -> Arrivals:
+        """``a`` with its collectives per step: the calls issued per heartbeat since this
+        round's first look at the rank's record (0 until a step has passed since)."""
+        base = self._calls_base.get(rank)
+        if base is None or beats < base[0] or a.issued < base[1]:  # first look, or restarted
+            self._calls_base[rank] = base = (beats, a.issued)
+        if beats == base[0]:
+            return a
+        return replace(a, per_step=(a.issued - base[1]) / (beats - base[0]))
 
     def _host_of(self, rank: int, info: RendezvousInfo) -> str:
         lo, hi = info.rank_offset, info.rank_offset + info.local_world_size

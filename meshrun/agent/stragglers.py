@@ -37,14 +37,20 @@ The time waiting, two sources
        collective_record`) has, per call, its process group, its sequence number in that group
        and the time the rank *issued* it (torch's flight recorder's ``time_created_ns``, wall
        clock). Every member issues call n of a group, and none gets past it before the last
-       member issued it, so rank r waited at that call for about ``last issue - r's issue``
-       (`arrival_waits`: per rank, the median of that over the recent calls every member of
-       the group has recorded). The straggler is the last to arrive, call after call: it waits
-       about 0, the others wait about its extra time. This is the wait-state analysis of MPI
-       performance tools: Scalasca's "Wait at N x N" (Geimer et al., "The Scalasca performance
-       toolset architecture", 2010; Böhme et al., "Identifying the root causes of wait states
-       in large-scale parallel applications", ICPP 2010) charges each process of a collective
-       the time from its own arrival to the last one's. The busy time is then ``step interval - that wait`` (`with_arrival_waits`).
+       member issued it, so rank r waited at that call from its own issue to the last
+       member's. This is the wait-state analysis of MPI performance tools: Scalasca's "Wait
+       at N x N" (Geimer et al., "The Scalasca performance toolset architecture", 2010; Böhme
+       et al., "Identifying the root causes of wait states in large-scale parallel
+       applications", ICPP 2010) charges each process of a collective the time from its own
+       arrival to the last one's. Calls issued while an earlier one's wait still runs (DDP's
+       buckets, waited on together at the end of the backward) count only the time no earlier
+       call covered; the calls of one step (``per_step``: calls issued per heartbeat, which
+       the agent counts) add up, whether they wait in turn (FSDP2's all-gathers, each waited
+       on before the next) or together; and the median over every run of ``per_step``
+       consecutive calls is the rank's wait per step (`arrival_waits`), so a one-off pause (a
+       checkpoint on one rank) is not a steady wait. The straggler is the last to arrive: it
+       waits about 0, the others about its extra time. The busy time is then ``step interval
+       - that wait`` (`with_arrival_waits`).
 
 What it cannot tell
     - A rank that never calls ``heartbeat()`` has no step interval: it is not timed at all.
@@ -52,14 +58,19 @@ What it cannot tell
       comparison is as good as their clock sync (NTP: usually well under the 5 ms that counts,
       ``min_busy_s``; a host whose clock is off by more than a straggler's excess hides it or
       makes a false one). meshrun.parallel's counter has no such limit.
-    - A median over calls: slowness that delays fewer than half of a step's calls (one slow
-      layer between two buckets of a backward) is missed; slowness before, after or across the
-      step's collectives (the data loader, the forward, the optimizer, a throttled device) is
-      seen.
+    - Steps must repeat: ``per_step`` is an average (calls per heartbeat since the round's
+      first look), so a script whose steps issue different numbers of calls, or that beats
+      at another rate than it steps, gets a blurred wait; until a step has passed it is taken
+      as 1 (a median over single calls, which misses waits at one call of many).
+    - A wait is known where every member's record has the call: a group one of whose members
+      has no record (``MESHRUN_COLLECTIVE_RECORD=0``, ``TORCH_FR_BUFFER_SIZE=0``, a rank
+      that is not a worker of this job) is not compared. Point-to-point calls are not in the
+      record (pipeline stages' sends and receives).
     - The record is copied every half second and keeps the last 32 calls, so with many calls
-      per step the window covers few steps; on NCCL the host issues calls ahead of the device,
-      so issue times show a slow host (data loading, Python), less so a slow GPU whose kernels
-      run later than they were issued.
+      per step the window covers few steps (a run of ``per_step`` calls needs at least that
+      many); on NCCL the host issues calls ahead of the device, so issue times show a slow
+      host (data loading, Python), less so a slow GPU whose kernels run later than they were
+      issued.
     - On gloo torch records no completion time, and none is used here.
 
 Across nodes
@@ -249,8 +260,9 @@ class Stragglers:
         self._reported.clear()
 
 
-#: Calls of each rank's record that `arrivals_from_record` keeps (and a node publishes).
-ARRIVAL_CALLS = 16
+#: Calls of each rank's record that `arrivals_from_record` keeps (and a node publishes): all
+#: that the record file holds (`meshrun.agent.collective_record` ``FILE_CALLS``).
+ARRIVAL_CALLS = 32
 #: The fewest calls every member recorded before `arrival_waits` gives a rank a wait.
 MIN_ARRIVAL_CALLS = 3
 
@@ -263,40 +275,54 @@ class Arrivals:
         groups: process group name -> its member ranks (global ranks).
         calls: (group name, sequence number in the group) -> the time the rank issued the
             call, seconds (wall clock: torch's flight recorder's ``time_created_ns``).
+        issued: the calls the rank had issued in all, over its groups (the record's last
+            sequence numbers), for `per_step`.
+        per_step: collectives per step (per heartbeat), 0 where not known yet.
     """
 
     groups: Mapping[str, tuple[int, ...]]
     calls: Mapping[tuple[str, int], float]
+    issued: int = 0
+    per_step: float = 0.0
 
 
 def arrivals_from_record(raw: object, last: int = ARRIVAL_CALLS) -> Arrivals | None:
     """The `Arrivals` in a collective record file's JSON (`meshrun.agent.collective_record`
-    `make_record`: ``{"groups": {name: {"ranks": "0-3", ...}}, "calls": [{"group", "seq",
-    "issued_ms", ...}, ...]}``), its ``last`` calls; None when it is not that shape or has no
-    call with an issue time."""
+    `make_record`: ``{"groups": {name: {"ranks": "0-3", "issued": n, ...}}, "calls":
+    [{"group", "seq", "issued_ms", ...}, ...]}``), its ``last`` calls; None when it is not that
+    shape or has no call with an issue time."""
     try:
         groups = {str(n): tuple(parse_ranges(str(g["ranks"]))) for n, g in raw["groups"].items()}
+        issued = sum(max(0, int(g.get("issued", 0))) for g in raw["groups"].values())
         calls = {}
         for c in raw["calls"][-last:] if last > 0 else []:
-            issued = c["issued_ms"]
-            if isinstance(issued, int) and not isinstance(issued, bool) and issued > 0:
-                calls[(str(c["group"]), int(c["seq"]))] = issued / 1000.0
+            when = c["issued_ms"]
+            if isinstance(when, int) and not isinstance(when, bool) and when > 0:
+                calls[(str(c["group"]), int(c["seq"]))] = when / 1000.0
     except (TypeError, KeyError, ValueError, AttributeError):
         return None
-    return Arrivals(groups, calls) if calls else None
+    return Arrivals(groups, calls, issued) if calls else None
 
 
 def arrival_waits(arrivals: Mapping[int, Arrivals]) -> dict[int, float]:
-    """Rank -> the median time it waited for the last member to arrive, seconds, over the
-    calls that every member of their group has in ``arrivals`` (at least
-    `MIN_ARRIVAL_CALLS`); a call's wait is the last member's issue time less this rank's. A
-    group some member of which has no `Arrivals` here is left out (its last arrival is not
-    known), and so is a rank with too few calls.
+    """Rank -> the time it waited for late peers per step, seconds, from the calls that every
+    member of their group has in ``arrivals`` (at least `MIN_ARRIVAL_CALLS`).
+
+    At each call rank r waits from its own issue to the last member's (the interval
+    ``[issued_r, last]``). Calls issued while an earlier call's wait still runs (DDP's bucket
+    all-reduces, issued one after another and waited on together) overlap it, so each call
+    counts only the part of its interval that no earlier call of the rank covered (the
+    union of the intervals, call by call). A step of ``per_step`` calls then waits the sum
+    over its calls; the result is the median of that sum over every run of ``per_step``
+    consecutive calls (round ``per_step``, 1 when unknown): each such run holds one step's
+    calls, whatever the step's first call is, and a one-off pause (a checkpoint on one rank)
+    is in a few runs only, so it does not make a straggler. A group some member of which has
+    no `Arrivals` here is left out (its last arrival is not known).
 
     Args:
         arrivals: global rank -> its `Arrivals` (every rank of the job that has a record).
     """
-    waits: dict[int, list[float]] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
     names = {name for a in arrivals.values() for name in a.groups}
     for name in sorted(names):
         members = next(a.groups[name] for a in arrivals.values() if name in a.groups)
@@ -310,8 +336,20 @@ def arrival_waits(arrivals: Mapping[int, Arrivals]) -> dict[int, float]:
             issued = {r: arrivals[r].calls[(name, seq)] for r in members}
             last_in = max(issued.values())
             for r, t in issued.items():
-                waits.setdefault(r, []).append(last_in - t)
-    return {r: statistics.median(w) for r, w in waits.items() if len(w) >= MIN_ARRIVAL_CALLS}
+                spans.setdefault(r, []).append((t, last_in))
+    out = {}
+    for r, intervals in spans.items():
+        if len(intervals) < MIN_ARRIVAL_CALLS:
+            continue
+        own: list[float] = []
+        covered = -math.inf
+        for start, end in sorted(intervals):
+            own.append(max(0.0, end - max(start, covered)))
+            covered = max(covered, end)
+        per_step = max(1, min(len(own), round(arrivals[r].per_step or 1)))
+        runs = [sum(own[i : i + per_step]) for i in range(len(own) - per_step + 1)]
+        out[r] = statistics.median(runs)
+    return out
 
 
 def with_arrival_waits(
@@ -332,12 +370,13 @@ def encode_step_times(
 ) -> str:
     """``step_times`` as JSON for the store: ``{"<rank>": [step_s, busy_s, steps], ...}``,
     and with ``arrivals`` a key ``"calls"``: ``{"<rank>": {"g": {name: [ranks]}, "c":
-    [[name, seq, issued_ms], ...]}}`` (what `decode_arrivals` reads)."""
+    [[name, seq, issued_ms], ...], "s": per_step}}`` (what `decode_arrivals` reads)."""
     out: dict = {str(r): [st.step_s, st.busy_s, st.steps] for r, st in step_times.items()}
     if arrivals:
         out["calls"] = {
             str(r): {"g": {n: list(m) for n, m in a.groups.items()},
-                     "c": [[g, seq, round(t * 1000)] for (g, seq), t in a.calls.items()]}
+                     "c": [[g, seq, round(t * 1000)] for (g, seq), t in a.calls.items()],
+                     "s": a.per_step}
             for r, a in arrivals.items()
         }  # fmt: skip
     return json.dumps(out)
@@ -372,9 +411,13 @@ def decode_arrivals(text: str | bytes) -> dict[int, Arrivals]:
                 if not (isinstance(seq, int) and isinstance(ms, int) and seq >= 0 and ms > 0):
                     raise TypeError
                 issued[(str(g), seq)] = ms / 1000.0
+            per_step = value.get("s", 0.0)
+            if not (isinstance(per_step, (int, float)) and not isinstance(per_step, bool)
+                    and math.isfinite(per_step) and 0 <= per_step <= 1e6):  # fmt: skip
+                raise TypeError
         except (TypeError, KeyError, ValueError, AttributeError):
             raise ValueError(f"step times: rank {key}: bad arrivals") from None
-        out[int(key)] = Arrivals(groups, issued)
+        out[int(key)] = Arrivals(groups, issued, per_step=float(per_step))
     return out
 
 

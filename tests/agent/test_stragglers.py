@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,51 @@ def test_the_last_to_arrive_waits_least_and_the_others_wait_for_it():
     assert Stragglers(min_steps=1).check(times) == []  # without arrivals: nothing to tell
 
 
+def _steps_of(ranks, steps, calls, late_rank, extra, *, first_only, per_step):
+    """Arrivals of a synchronous job: each step ``calls`` calls; ``late_rank`` issues them
+    ``extra`` s late. ``first_only``: the others wait at the step's first call and are in
+    step after it (FSDP's all-gathers, each waited on before the next); else every call of
+    the step is issued early and all wait together (DDP's buckets)."""
+    out = {}
+    for r in range(ranks):
+        issued = {}
+        for step in range(steps):
+            t0 = 100.0 + step * (0.05 + extra)
+            for k in range(calls):
+                seq = step * calls + k + 1
+                if first_only:  # after the first call everybody is in step
+                    issued[("0", seq)] = t0 + (extra if k == 0 and r == late_rank else 0.0) + (
+                        extra if k > 0 else 0.0) + 0.001 * k  # fmt: skip
+                else:  # the late rank issues all of the step's calls late
+                    issued[("0", seq)] = t0 + (extra if r == late_rank else 0.0) + 0.001 * k
+        out[r] = Arrivals({"0": tuple(range(ranks))}, issued, per_step=per_step)
+    return out
+
+
+@pytest.mark.parametrize("first_only", [True, False], ids=["fsdp-like", "ddp-like"])
+def test_a_steps_wait_counts_once_whether_its_calls_wait_in_turn_or_together(first_only):
+    arrivals = _steps_of(3, 5, 6, 1, 0.15, first_only=first_only, per_step=6)
+    waits = arrival_waits(arrivals)
+    assert waits[1] == pytest.approx(0.0, abs=1e-9)
+    # DDP-like: from the first bucket issued to the late rank's last (5 ms later than its first)
+    expected = 0.15 if first_only else 0.155
+    assert waits[0] == pytest.approx(expected) and waits[2] == pytest.approx(expected)
+    if first_only:  # without calls per step, a median over calls misses the first one
+        unknown = {r: replace(a, per_step=0.0) for r, a in arrivals.items()}
+        assert arrival_waits(unknown)[0] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_one_off_pause_is_not_a_steady_wait():
+    # rank 0 pauses 5 s once (a checkpoint); the others wait for it at that one call only
+    arrivals = _steps_of(2, 30, 1, -1, 0.0, first_only=False, per_step=1)
+    for r in (0, 1):
+        arrivals[r] = replace(arrivals[r], calls={
+            k: t + (5.0 if k[1] >= 10 else 0.0) + (0.0 if r == 0 or k[1] != 10 else -5.0)
+            for k, t in arrivals[r].calls.items()})  # fmt: skip
+    waits = arrival_waits(arrivals)
+    assert waits[1] == pytest.approx(0.0, abs=1e-9) and waits[0] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_arrivals_compare_only_calls_every_member_recorded():
     # rank 1's record lags: its newest calls are not in it yet; rank 0's oldest fell out
     a0 = _arrivals({"0": [0, 1]}, {("0", s): 1.0 * s for s in range(3, 10)})
@@ -219,6 +265,7 @@ def test_arrivals_per_group_and_through_the_store():
     back = decode_arrivals(text)
     assert back.keys() == arrivals.keys()
     assert back[1].groups == {"1": (0, 1)} and back[1].calls[("1", 3)] == pytest.approx(5.38)
+    assert back[1].per_step == 0.0
     waits = arrival_waits(back)
     assert waits[0] == pytest.approx(0.08) and waits[1] == pytest.approx(0.0)
     assert waits[2] == pytest.approx(0.0) and waits[3] == pytest.approx(0.0)
@@ -230,7 +277,7 @@ def test_arrivals_from_a_record_file():
            "calls": [{"group": "0", "seq": s, "op": "all_reduce", "args": "float[8]",
                       "issued_ms": 1000 + s} for s in range(1, 21)]}  # fmt: skip
     a = arrivals_from_record(raw, last=4)
-    assert a.groups == {"0": (0, 1, 2)}
+    assert a.groups == {"0": (0, 1, 2)} and a.issued == 9
     assert sorted(a.calls) == [("0", s) for s in range(17, 21)]
     assert a.calls[("0", 20)] == pytest.approx(1.020)
     assert arrivals_from_record({"groups": {}, "calls": []}) is None
@@ -241,7 +288,8 @@ def test_arrivals_from_a_record_file():
     "text",
     ['{"calls": []}', '{"calls": {"x": {"g": {}, "c": []}}}', '{"calls": {"0": {"g": {}}}}',
      '{"calls": {"0": {"g": {"0": [-1]}, "c": []}}}', '{"calls": {"0": {"g": {}, "c": [[1]]}}}',
-     '{"calls": {"0": {"g": {}, "c": [["0", 1, "x"]]}}}', "nope"],
+     '{"calls": {"0": {"g": {}, "c": [["0", 1, "x"]]}}}', "nope",
+     '{"calls": {"0": {"g": {}, "c": [], "s": -1}}}', '{"calls": {"0": {"g": {}, "c": [], "s": "2"}}}'],
 )  # fmt: skip
 def test_bad_arrivals_from_the_store_are_refused(text):
     with pytest.raises(ValueError, match="step times"):
@@ -252,22 +300,30 @@ SCRIPTS = Path(__file__).parent / "e2e_scripts"
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("slow", [2, -1])
-def test_torch_ddp_that_beats_gets_a_straggler_line_and_a_balanced_run_none(launch, slow):
-    """torch's own DistributedDataParallel on gloo, 3 ranks, heartbeat() each step and
-    nothing else of meshrun: rank 2 sleeps 0.15 s more before each forward. Every rank's
-    step interval is the same and no meshrun counter measures a wait; the arrivals in the
-    collective record name rank 2, once; the balanced run gets no line."""
-    result = launch.run(["--nproc-per-node", "3", "--hang-timeout", "30",
-                         str(SCRIPTS / "ddp_straggler.py"), str(slow), "60"], timeout=140)  # fmt: skip
+@pytest.mark.parametrize(
+    "script, ranks, slow",
+    [("ddp_straggler.py", 3, 2), ("ddp_straggler.py", 3, -1), ("fsdp_straggler.py", 2, 1),
+     ("fsdp_straggler.py", 2, -1)],
+    ids=["ddp-slow", "ddp-balanced", "fsdp2-slow", "fsdp2-balanced"],
+)  # fmt: skip
+def test_torch_ddp_and_fsdp2_that_beat_get_a_straggler_line_and_a_balanced_run_none(
+    launch, script, ranks, slow
+):
+    """torch's own DistributedDataParallel (3 ranks) or fully_shard (2 ranks) on gloo,
+    heartbeat() each step and nothing else of meshrun: one rank sleeps 0.15 s more before
+    each forward. Every rank's step interval is the same and no meshrun counter measures a
+    wait; the arrivals in the collective record name the slow rank, once (DDP's buckets are
+    waited on together, FSDP2's all-gathers in turn); a balanced run gets no line."""
+    result = launch.run(["--nproc-per-node", str(ranks), "--hang-timeout", "30",
+                         str(SCRIPTS / script), str(slow), "60"], timeout=140)  # fmt: skip
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "is a straggler" in line]
     if slow < 0:
         assert warnings == [], result.stderr
         return
     assert len(warnings) == 1, result.stderr
-    m = re.search(r"rank 2 is a straggler: busy ([\d.]+) ms of each ([\d.]+) ms step, the other "
-                  r"ranks' median ([\d.]+) ms", warnings[0])  # fmt: skip
+    m = re.search(rf"rank {slow} is a straggler: busy ([\d.]+) ms of each ([\d.]+) ms step, the "
+                  r"other ranks' median ([\d.]+) ms", warnings[0])  # fmt: skip
     assert m, warnings
     busy, step, median = map(float, m.groups())
     assert busy >= 150 and median < busy / 2 and step >= busy, warnings
