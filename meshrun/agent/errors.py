@@ -267,7 +267,7 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
 
     A rank whose record shows a collective pending (`meshrun.agent.collectives.pending_call`:
     in progress or queued, which the record proves by a peer that has not issued it, a
-    different call at its number, or NCCL's own completion) is waiting in that call, wherever
+    different call at its number, or the backend's own completion mark) is waiting in that call, wherever
     its Python frame is: under torch's DDP the main thread waits in autograd's
     ``_engine_run_backward`` while the reducer's all-reduce is what it waits for, and under
     FSDP2 in ``foreach_all_gather_copy_out``. Every other rank keeps the place its stack (or

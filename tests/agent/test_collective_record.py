@@ -104,3 +104,27 @@ def test_the_record_is_switched_off_by_env(launch):
                      env={"MESHRUN_COLLECTIVE_RECORD": "0"})  # fmt: skip
     assert off.returncode == 0, off.stderr
     assert not list((launch.cwd / "off").rglob("collectives.json"))
+
+
+@pytest.mark.timeout(60)
+def test_gloo_marks_completion_after_a_call_finishes_and_never_while_it_is_blocked():
+    """What the verdict relies on (`Group.tracks_done`): on gloo a blocked call is not marked
+    completed; an async call that was waited for and a synchronous one that returned are,
+    a moment later; every entry stays "scheduled". A torch that changes this fails here."""
+    import json
+    import subprocess
+    import sys
+
+    from support import meshrun_env
+
+    script = Path(__file__).parent / "scripts" / "gloo_completion.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        env=meshrun_env(), capture_output=True, text=True, timeout=50,
+    )  # fmt: skip
+    line = next((x for x in out.stdout.splitlines() if x.startswith("GLOO_COMPLETION ")), None)
+    assert line, out.stdout + out.stderr
+    seen = json.loads(line.split(" ", 1)[1])
+    assert seen["blocked"] == {"done": 1, "issued": 2, "states": ["scheduled"]}, seen
+    assert seen["async_waited"] == {"done": 3, "issued": 3, "states": ["scheduled"]}, seen
+    assert seen["sync_returned"] == {"done": 4, "issued": 4, "states": ["scheduled"]}, seen
