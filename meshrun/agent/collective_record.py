@@ -169,8 +169,9 @@ class Recorder:
         already (the script uses ``torch.compile``): then for every call, one read per change
         of the ring at most (a call's site never changes: kept by ``record_id``). Elsewhere
         the site of the newest call is taken from the main thread's stack once the ring has
-        not moved for a look while that thread is inside torch (`_stuck_site`): the call a
-        rank hangs in. The cache is emptied when the ring read changes (NCCL's and the common
+        not moved for a look while that thread waits in torch.distributed (`_stuck_site`):
+        the call a rank hangs in, for ``dist.*`` calls and FSDP2's waits (not DDP's reducer,
+        which waits in C++ under ``backward``: no site there). The cache is emptied when the ring read changes (NCCL's and the common
         one number their entries apart)."""
         if nccl != self._sites_nccl:
             self._sites, self._sites_nccl = {}, nccl
@@ -188,10 +189,10 @@ class Recorder:
 
     def _stuck_site(self) -> bool:
         """The ring has not changed since the last look: if its newest call has no site yet
-        and the main thread is inside torch now (in the collective, or in the ``backward``
-        or ``forward`` that issued it), take the site from the main thread's innermost frame
-        of user code; True when one was added. Only from the recorder's own thread (at
-        exit the main thread is elsewhere)."""
+        and the main thread waits in torch.distributed now (its innermost Python frame is
+        there), take the site from the main thread's innermost frame of user code; True when
+        one was added. Asked once per call. Only from the recorder's own thread (at exit the
+        main thread is elsewhere)."""
         if threading.current_thread() is not self._thread or not self._ring:
             return False
         entries = self._ring.get("entries", [])
@@ -206,8 +207,12 @@ class Recorder:
         while frame is not None:
             frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
             frame = frame.f_back
-        torch_dir = _library_dirs()[0]
-        if not any(os.path.abspath(f).startswith(torch_dir) for f, _, _ in frames):
+        # waiting in a collective: the innermost Python frame is torch.distributed's (a dist.*
+        # call, FSDP2's wait for its all-gather). Not "anywhere in torch": a rank may sit in
+        # its DataLoader or a long forward after the newest call completed, and that site
+        # would be another line's. DDP's reducer waits in C++ under backward (no such frame).
+        distributed = os.path.join(_library_dirs()[0], "distributed") + os.sep
+        if not frames or not os.path.abspath(frames[0][0]).startswith(distributed):
             return False
         at = call_site(frames)
         if at:

@@ -97,3 +97,39 @@ def test_the_call_a_rank_hangs_in_gets_its_site_without_torchs_frames(launch):
     wait_line = _line(MISTAKES.read_text(), "        dist.all_reduce(x)")
     assert [(c["seq"], c["op"]) for c in calls] == [(1, "all_reduce"), (2, "all_reduce")], calls
     assert calls[-1]["at"] == f"{MISTAKES}:{wait_line} in train_step", calls
+
+
+AFTER_THE_CALL = textwrap.dedent("""
+    import json, sys, time
+    import torch, torch.distributed as dist
+    from torch.utils.data import DataLoader, Dataset
+    from meshrun.agent.collective_record import Recorder
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 2
+        def __getitem__(self, i):
+            time.sleep(1.0)  # READ
+            return torch.ones(2)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    recorder = Recorder(sys.argv[1], interval=0.1).start()
+    dist.all_reduce(torch.ones(4))  # CALL
+    for batch in DataLoader(Slow()):  # the main thread in torch's DataLoader, not in a collective
+        pass
+    recorder.stop()
+    print(json.dumps([c["at"] for c in json.load(open(sys.argv[1]))["calls"]]))
+    dist.destroy_process_group()
+""")
+
+
+def test_a_call_that_completed_gets_no_site_from_where_the_rank_went_on(tmp_path):
+    """The ring stands still for 2 s after the all_reduce while the main thread is inside
+    torch's DataLoader (and the user's slow __getitem__): that is no collective's site."""
+    script = tmp_path / "train.py"
+    script.write_text(AFTER_THE_CALL)
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "16", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "rec.json")],
+                          capture_output=True, text=True, timeout=100, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [""]
