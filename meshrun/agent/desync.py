@@ -323,6 +323,8 @@ class DesyncCheck:
         # (local rank, pid, host, node rank), from its digest
         self._finished: set[int] = set()
         self._pids: dict[int, int] = {}
+        self._raw: dict[int, bytes] = {}  # each local rank's record file as last read
+        self._records: dict[int, Record] = {}  # ... and parsed
         self._offset_since: dict[tuple[str, int], float] = {}
         self._reported = False
 
@@ -335,11 +337,19 @@ class DesyncCheck:
         records = {}
         self._pids = dict(zip((s.global_rank for s in group.specs), group.pids, strict=True))
         for spec, code, _ in group.outcomes():
-            record = read_record(spec.log_dir / RECORD_FILE)
-            if record is None:
+            path = spec.log_dir / RECORD_FILE
+            try:
+                raw = path.read_bytes()
+            except OSError:
                 continue
-            records[spec.global_rank] = record
-            self.ledger.add(spec.global_rank, record, now)
+            if raw != self._raw.get(spec.global_rank):  # parsed only when it changed
+                self._raw[spec.global_rank] = raw
+                record = read_record(path)
+                if record is not None:
+                    self._records[spec.global_rank] = record
+                    self.ledger.add(spec.global_rank, record, now)
+            if spec.global_rank in self._records:
+                records[spec.global_rank] = self._records[spec.global_rank]
             if code == 0:
                 self._finished.add(spec.global_rank)
         return records
