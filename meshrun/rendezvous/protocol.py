@@ -705,9 +705,8 @@ class Rendezvous:
         closed with this rendezvous: a request is seen when it is written, at a cost of one
         read per `WATCH_PIECE_S` while none comes (polling cost one read a second per node)."""
         if self._stacks_watch is None:
-            store = self.store
             self._stacks_watch = KeyWatch(
-                store.watcher, stacks_request_key(self._prefix), owned=True
+                self.store.watcher, stacks_request_key(self._prefix), shared=self.store
             ).start()
         return self._stacks_watch
 

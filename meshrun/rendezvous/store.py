@@ -223,7 +223,8 @@ class KeyWatch:
     Args:
         open_store: called once, on the thread, for the store to wait on.
         key: the key followed.
-        owned: whether `close` closes that store (False where it is the caller's own).
+        shared: the caller's own store: where ``open_store()`` returned it (a store whose
+            `Store.watcher` is itself), `close` neither interrupts nor closes it.
         piece: seconds each wait lasts (`WATCH_PIECE_S`).
 
     Attributes:
@@ -236,14 +237,14 @@ class KeyWatch:
         open_store: Callable[[], Store],
         key: str,
         *,
-        owned: bool = True,
+        shared: Store | None = None,
         piece: float = WATCH_PIECE_S,
     ):
         self.key = key
         self.latest: Versioned | None = None
         self.error: BaseException | None = None
         self._open_store = open_store
-        self._owned = owned
+        self._shared = shared
         self._piece = piece
         self._store: Store | None = None
         self._ready = threading.Event()
@@ -272,7 +273,7 @@ class KeyWatch:
         try:
             self._store = self._open_store()
             if self._stopped:  # closed while it connected
-                if self._owned:
+                if self._store is not self._shared:
                     self._store.close()
                 return
             item = self._store.get(self.key)
@@ -293,11 +294,12 @@ class KeyWatch:
         """Stop the thread (its wait is interrupted where the store can), and close its store."""
         self._stopped = True
         store = self._store
-        if store is not None and self._owned:
+        own = store is not None and store is not self._shared
+        if own:
             store.interrupt()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
-        if store is not None and self._owned:
+        if own:
             store.close()
 
 

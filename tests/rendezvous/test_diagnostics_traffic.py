@@ -270,3 +270,24 @@ def test_a_key_watch_through_the_secret_sees_the_opened_value_on_a_connection_of
         assert not watch.running
     finally:
         host.close()
+
+
+def test_a_key_watch_on_a_store_that_is_its_own_watcher_leaves_it_open():
+    from meshrun.rendezvous.store import KeyWatch, MemoryStore
+
+    class Closing(MemoryStore):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    store = Closing()
+    watch = KeyWatch(store.watcher, "/k", shared=store, piece=0.2).start()
+    assert watch.wait_ready(10)
+    store.compare_and_set("/k", 0, b"v")
+    deadline = time.monotonic() + 10
+    while watch.latest is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.latest.value == b"v"
+    watch.close()
+    assert not watch.running and not store.closed  # the caller's store stays open
