@@ -123,7 +123,7 @@ class StackRequests:
     The request key is followed by a `meshrun.rendezvous.store.KeyWatch` (a watch on etcd, a
     blocking wait on a TCPStore connection of its own, on a thread: `Rendezvous.
     watch_stacks_requests`), so a request is seen at the first tick after it was written and
-    a quiet job costs one read per node every `WATCH_PIECE_S`; `answer` itself does no store
+    a quiet job costs a wait and a read per node every `WATCH_PIECE_S`; `answer` itself does no store
     operation until there is a request. Where the watch cannot run (its connection failed)
     the key is read every `poll_interval` instead, which grows with the node count.
     """

@@ -46,8 +46,8 @@ job's budget -- once per round, however many nodes saw failures in it.
 
 The diagnostics cost a bounded number of operations per node too: a ``meshrun stacks``
 request is seen by a `KeyWatch` of ``stacks/request`` (`watch_stacks_requests`: a watch on
-etcd, a blocking wait on TCPStore, on a thread and a client of its own; one read per
-`WATCH_PIECE_S` while no request comes), and step times are one write per node per
+etcd, a blocking wait on TCPStore, on a thread and a client of its own; one wait and one
+read per `WATCH_PIECE_S` while no request comes), and step times are one write per node per
 ``publish_interval`` (`meshrun.agent.step_times`), which grows with the node count.
 
 Old rounds' keys are deleted by node rank 0 of round T, on its first monitor tick: every round
@@ -703,7 +703,8 @@ class Rendezvous:
         """A `KeyWatch` of the stacks request key on a store client of its own
         (`Store.watcher`: a watch on etcd, a blocking wait on TCPStore), started once and
         closed with this rendezvous: a request is seen when it is written, at a cost of one
-        read per `WATCH_PIECE_S` while none comes (polling cost one read a second per node)."""
+        wait and one read per `WATCH_PIECE_S` while none comes (polling cost one read a second
+        per node)."""
         if self._stacks_watch is None:
             self._stacks_watch = KeyWatch(
                 self.store.watcher, stacks_request_key(self._prefix), shared=self.store

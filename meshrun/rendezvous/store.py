@@ -217,8 +217,8 @@ class KeyWatch:
     over and over, on a store of its own (``open_store()``, typically `Store.watcher`): on etcd
     a watch (no request until the key changes), on TCPStore a wait on its own connection
     (the server answers when the key's next change marker appears). Cost: one read when it
-    starts and after each change, and one more every ``piece`` seconds of quiet (where the
-    wait is renewed); nothing else, whatever the caller's tick.
+    starts, then one wait and one read after each change and every ``piece`` seconds of quiet
+    (where the wait is renewed); nothing else, whatever the caller's tick.
 
     Args:
         open_store: called once, on the thread, for the store to wait on.
