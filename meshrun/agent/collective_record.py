@@ -284,8 +284,9 @@ def make_record(dump: dict, group_ranks: dict[str, str],
     ``issued``/``done`` are the last sequence numbers issued and completed in the group (0:
     none), as torch's ``pg_status`` says; ``backend`` is the prefix of the group's calls'
     ``profiling_name`` ("gloo", "nccl"; "" before its first call). On gloo (torch 2.13)
-    ``done`` equals ``issued`` even while the last call is blocked: it is no completion
-    there (docs/hangs.md, "What the record can tell"). Groups are keyed by their global name (torch's ``pg_id`` is a per-process index and
+    ``done`` moves a moment after a call finishes and never while it is blocked
+    (docs/hangs.md, "What the record can and cannot tell"). Groups are keyed by their global
+    name (torch's ``pg_id`` is a per-process index and
     differs between ranks that belong to different groups); groups the script did not create
     (a desync check's helper groups) are left out.
     """
