@@ -28,7 +28,8 @@ DOOR = PACKAGE / "_torch.py"
 #: a module in a loop): DeviceMesh's groups, c10d's registry, the flight recorder, nn.Module's
 #: and Tensor's internals
 KNOWN_PRIVATE = frozenset({
-    "_pg_registry", "_world", "_dump_fr_trace_json", "_dump_nccl_trace_json",
+    "_pg_registry", "_world", "_dump_fr_trace_json", "_dump_nccl_trace_json", "_dump_fr_trace",
+    "_dump_nccl_trace",
     "_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
     "_backward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
     "_non_persistent_buffers_set", "_execution_engine", "_base", "_cdata", "_local_tensor",
