@@ -42,13 +42,13 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from meshrun.agent import addresses, handover
+from meshrun.agent import addresses, console, handover
 from meshrun.agent.bootstrap import BootstrapError, BootstrapStore
 from meshrun.agent.config import LaunchConfig
 from meshrun.agent.desync import DesyncCheck
 from meshrun.agent.errors import WorkerFailure
 from meshrun.agent.events import EVENT_FILE, EventLog
-from meshrun.agent.failure_report import FailureReport, place
+from meshrun.agent.failure_report import REPORT_FILE, FailureReport, place
 from meshrun.agent.hang import ProgressWatch
 from meshrun.agent.logs import UnsafeLogDir, make_private_dir
 from meshrun.agent.reaper import Reaper
@@ -175,7 +175,12 @@ class Agent:
             code = self._run()
             return code
         finally:
-            self._events.emit("agent_exit", code=code)
+            # What is queued for the console is written, as long as the console takes it (a
+            # blocked one does not hold the exit); what it never showed is counted here.
+            console.finish()
+            lines, size = console.dropped_total()
+            lost = {"console_dropped_lines": lines, "console_dropped_bytes": size} if size else {}
+            self._events.emit("agent_exit", code=code, **lost)
             self._events.close()
 
     def _run(self) -> int:
@@ -194,6 +199,7 @@ class Agent:
         rdzv: Rendezvous | None = None
         try:
             log_dir = self._log_dir()  # one that cannot be made safely: exit 2, nothing started
+            self._report.report_path = log_dir / REPORT_FILE
             self._events = EventLog(
                 log_dir / EVENT_FILE, self.host, console=self.config.event_log_handler == "console"
             )

@@ -13,6 +13,17 @@ at a line start (a line cut by the drop is ended where the note starts); one not
 stream then says how many lines and bytes were not shown and which log file has them. A closed console (EPIPE) ends the console copy silently. When the
 agent's stdout and stderr are one file (``2>&1``, a terminal), both streams share one writer.
 
+The agent's own lines (`meshrun.agent.say`: ``meshrun: ...`` lines, the failure report) take
+the same way, as one more stream of the stderr console (:meth:`Console.say`,
+:meth:`Console.write_own`): in arrival order with the workers' output, bounded the same way
+(whole messages dropped past the bound, then one note with the count), never blocking the
+agent. A blocked console (a pipe nobody reads) so costs lines, never a restart. From the
+main thread a line is waited for until written, briefly (``Console.say_wait_s``), so the
+console reads as if written at once; after one such wait runs out nothing waits again until
+the console has caught up. At the agent's exit `finish` writes what is queued, as long as
+the console keeps taking it (a blocked one is left after ``stall_s`` without progress), with
+the note of the agent's own lines dropped; `dropped_total` is the run's count.
+
 The per-rank log files (`meshrun.agent.logs`) are the complete record; this copy may drop
 output (with a note) but never slows a worker (docs/design.md §3.6).
 """
@@ -29,7 +40,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO, NamedTuple
 
-__all__ = ["CONSOLES", "Console", "ConsoleStream", "LinePrefixer", "console"]
+__all__ = [
+    "CONSOLES", "Console", "ConsoleStream", "LinePrefixer", "console", "dropped_total",
+    "finish",
+]
 
 #: One line with its end (LF, CRLF or CR), or a last partial line.
 SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
@@ -122,17 +136,21 @@ class ConsoleStream:
         return self.console._close(self)
 
     def _drop(self, data: bytes) -> None:
-        self.dropped_lines += data.count(b"\n")
+        lines = data.count(b"\n")
+        self.dropped_lines += lines
         self.dropped_bytes += len(data)
         self.dropped_at_line_start = data.endswith((b"\n", b"\r"))
+        self.console.dropped_lines += lines
+        self.console.dropped_bytes += len(data)
 
     def _note(self) -> bytes:
         n, size = self.dropped_lines, self.dropped_bytes
         self.dropping, self.dropped_lines, self.dropped_bytes = False, 0, 0
         self.dropped_at_line_start = True
+        where = f"; {self.log_path} has all of it" if self.log_path else ""
         return (
             f"meshrun: console too slow, {n} line{'' if n == 1 else 's'} ({size} bytes) of "
-            f"{self.label} not shown; {self.log_path} has all of it\n"
+            f"{self.label} not shown{where}\n"
         ).encode()
 
 
@@ -160,6 +178,8 @@ class Console:
         max_queued_bytes: each stream's queue bound, in bytes; beyond it, output is dropped
             until the queue has drained to half, then one note gives the count.
         stall_s: how long :meth:`ConsoleStream.close` waits without any write completing.
+        say_wait_s: how long :meth:`say` on the main thread waits for its line to be written
+            (the console keeping up reads as written at once); see this module.
 
     Errors writing (a closed pipe or terminal: EPIPE, EIO) end the console copy silently.
     """
@@ -170,11 +190,16 @@ class Console:
         hold_s: float = 0.1,
         max_queued_bytes: int = 1024 * 1024,
         stall_s: float = 0.5,
+        say_wait_s: float = 0.25,
     ) -> None:
         self._stream = stream
         self.hold_s = hold_s
         self.max_queued_bytes = max_queued_bytes
         self.stall_s = stall_s
+        self.say_wait_s = say_wait_s
+        #: lines and bytes this console did not show (every stream, the agent's own included)
+        self.dropped_lines = 0
+        self.dropped_bytes = 0
         self._cond = threading.Condition()
         self._items: deque[_Item] = deque()
         self._thread: threading.Thread | None = None
@@ -185,7 +210,8 @@ class Console:
         self._worth_waiting = False  # False for a line ended by "\r" (a progress bar state)
         self._writes = 0  # completed writes, for close()'s progress check
         self._busy = False  # the writer thread is writing an item it took
-        self._own = ConsoleStream(self, b"", "meshrun", "")
+        self._lagging = False  # a say() wait ran out; none waits until the queue is empty
+        self._own = ConsoleStream(self, b"", "meshrun's own lines", "")
 
     def stream(self, prefix: str = "", label: str = "output", log_path: str = "") -> ConsoleStream:
         """A new queue onto this console for one worker stream; ``label`` ("rank 3's stdout")
@@ -193,16 +219,73 @@ class Console:
         return ConsoleStream(self, prefix.encode(), label, str(log_path))
 
     def say(self, message: str) -> None:
-        """Queue ``meshrun: <message>`` as a line of meshrun's own: never dropped (unless the
-        console is closed), never blocks the caller."""
+        """Queue ``meshrun: <message>`` as a line of meshrun's own (`write_own`)."""
+        self.write_own(f"meshrun: {message}\n")
+
+    def write_own(self, text: str) -> None:
+        """Queue ``text`` (whole lines, e.g. the failure report) as meshrun's own output.
+
+        Never blocks beyond ``say_wait_s``: on the main thread the call waits that long at most
+        for the console to write it, and not at all while the console lags (an earlier wait
+        ran out and the queue has not emptied since); other threads never wait. The agent's
+        own output is bounded as a worker stream is (``max_queued_bytes``): past the bound a
+        whole message is dropped, and once the queue has drained to half (or at `finish`)
+        one note says how many lines and bytes were not shown. Nothing is queued once the
+        console is closed (EPIPE)."""
+        data = text.encode("utf-8", "replace")
+        if not data.endswith(b"\n"):
+            data += b"\n"
+        s = self._own
         with self._cond:
-            if not self._broken:
-                self._append(_Item(self._own, f"meshrun: {message}\n".encode(), True))
+            if self._broken:
+                return
+            if s.dropping:
+                if not self._drained(s):
+                    s._drop(data)
+                    return
+                self._append(_Item(s, s._note(), True))
+            if s.queued_bytes + len(data) > self.max_queued_bytes:
+                s.dropping = True
+                s._drop(data)
+                return
+            self._append(_Item(s, data, False))
+            if self._lagging or threading.current_thread() is not threading.main_thread():
+                return
+            if not self._cond.wait_for(
+                lambda: not s.queued_items or self._broken, self.say_wait_s
+            ):
+                self._lagging = True
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until everything queued is written; True if it was."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._items and not self._busy, timeout)
+
+    def finish(self, stall_s: float = 1.0) -> bool:
+        """The agent exits: queue the note of meshrun's own lines dropped (if any), then wait
+        until everything queued is written, for as long as writes keep completing (giving up
+        after ``stall_s`` seconds without one: a blocked console never holds the exit; what
+        is still queued then is dropped and counted in ``dropped_lines``/``dropped_bytes``).
+        True if everything was written."""
+        s = self._own
+        with self._cond:
+            if s.dropping and not self._broken:
+                self._append(_Item(s, s._note(), True))
+            seen, since = self._writes, time.monotonic()
+            while (self._items or self._busy) and not self._broken:
+                if self._writes != seen:
+                    seen, since = self._writes, time.monotonic()
+                left = since + stall_s - time.monotonic()
+                if left <= 0:
+                    for item in self._items:
+                        item.stream.queued_items -= 1
+                        if not item.note:
+                            item.stream.queued_bytes -= len(item.data)
+                            item.stream._drop(item.data)
+                    self._items.clear()
+                    return False
+                self._cond.wait(left)
+            return not self._broken
 
     # --- queue side (forwarder threads) -------------------------------------------------------
 
@@ -306,6 +389,8 @@ class Console:
                 s = item.stream
                 if s.dropping and s.dropped_at_line_start and self._drained(s):
                     self._append(_Item(s, s._note(), True))  # caught up: say it at once
+                if not self._items:
+                    self._lagging = False
                 self._cond.notify_all()
 
     def _drained(self, s: ConsoleStream) -> bool:
@@ -421,6 +506,21 @@ def console(name: str) -> Console:
     if name == "stderr" and _same_file(sys.stdout, sys.stderr):
         return CONSOLES["stdout"]
     return CONSOLES[name]
+
+
+def finish(stall_s: float = 1.0) -> bool:
+    """At the agent's exit: `Console.finish` on each of the agent's consoles (stdout and
+    stderr, once when they are one); True if each wrote everything it had queued."""
+    done = True
+    for con in CONSOLES.values():  # one that was never used has nothing queued
+        done = con.finish(stall_s) and done
+    return done
+
+
+def dropped_total() -> tuple[int, int]:
+    """Lines and bytes the agent's consoles did not show so far (workers' and meshrun's own)."""
+    cons = CONSOLES.values()
+    return sum(c.dropped_lines for c in cons), sum(c.dropped_bytes for c in cons)
 
 
 def _same_file(a: object, b: object) -> bool:

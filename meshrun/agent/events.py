@@ -33,7 +33,8 @@ desync         round, group, seq, what ("mismatch" or "offset"), culprits, line
                (``--desync-check``, `meshrun.agent.desync`)
 in_place       round, confirmed (every worker took the round in place; false: the group was
                restarted in it), reason (why not, when false)
-agent_exit     code (the agent's exit code)
+agent_exit     code (the agent's exit code); console_dropped_lines, console_dropped_bytes
+               (what the console never showed: it could not keep up; left out when 0)
 =============  ===================================================================================
 
 Other kinds may be added; readers skip kinds they do not know. Times in fields are seconds.
@@ -50,7 +51,8 @@ said once, through ``on_error``, and the log is dropped: training never stops fo
 ``--event-log-handler`` names torchrun's event-log plugin (``null``, the default, or
 ``console``). meshrun writes the JSON-lines file whatever it says (it is cheap: a dozen lines
 per round); with ``console`` (`EventLog` ``console=True``) each event is also printed on
-stderr as one line, ``meshrun: event {...}``, the same JSON. torchrun's handlers send
+stderr as one line, ``meshrun: event {...}``, the same JSON, the way the agent's own lines go
+(`meshrun.agent.say`: queued, never blocking). torchrun's handlers send
 ``torch.distributed.elastic.events.Event`` records to a ``logging`` handler; the event names
 and fields here are meshrun's own.
 """
@@ -60,11 +62,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from meshrun.agent.say import say
 
 EVENT_FILE = "events.jsonl"
 MAX_FIELD_CHARS = 2000  # a string field (a failure's message) is cut here, with "..."
@@ -104,7 +107,7 @@ class EventLog:
         self.path = Path(path) if path is not None else None
         self.host = host
         self.console = console
-        self._on_error = on_error or _say
+        self._on_error = on_error or say
         self._lock = threading.Lock()
         self._fd: int | None = None
         if self.path is not None:
@@ -134,11 +137,8 @@ class EventLog:
         with self._lock:
             if self._fd is not None:
                 self._write(line.encode())
-            if self.console:
-                try:
-                    print(f"meshrun: event {line}", end="", file=sys.stderr, flush=True)
-                except (OSError, ValueError):  # a closed console: the file still has it
-                    pass
+            if self.console:  # queued, never blocking (a closed console: the file has it)
+                say(f"event {line[:-1]}")
 
     def close(self) -> None:
         with self._lock:
@@ -183,8 +183,3 @@ def _cut(value):
     return value
 
 
-def _say(message: str) -> None:
-    try:
-        print(f"meshrun: {message}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass

@@ -14,6 +14,8 @@ Three moments (docs/design.md §3.3):
 - **The job failed** (`FailureReport.final`). The job-wide root-cause report: the first
   failure in time across nodes, with every stopped rank's place; the agent exits with that
   worker's exit status. When the store is gone, the report is made of what this node saw.
+  The report goes to the console the way the agent's lines go (never blocking) and to
+  `REPORT_FILE` in the agent's log directory, which its title line names.
 
 Signals win over failures: a handled signal that arrives at any of these moments ends the
 agent with 128+N, and nothing more is published or spent (`meshrun.agent.signals.Stopped`).
@@ -22,10 +24,11 @@ agent with 128+N, and nothing more is published or spent (`meshrun.agent.signals
 from __future__ import annotations
 
 import json
-import sys
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from meshrun.agent.collective_record import ranges
 from meshrun.agent.errors import (
@@ -38,7 +41,7 @@ from meshrun.agent.errors import (
     root_cause,
 )
 from meshrun.agent.hang import Hang
-from meshrun.agent.say import first_line, say
+from meshrun.agent.say import first_line, say, say_text
 from meshrun.agent.signals import Signals, Stopped, signal_name
 from meshrun.agent.verdicts import waiting_ranks
 from meshrun.agent.workers import GroupResult
@@ -49,6 +52,8 @@ from meshrun.rendezvous.restarts import Cause, Restart
 
 # Message + traceback kept per failure in this node's own report (what the store gets is less).
 _LOCAL_REPORT_MAX_BYTES = 32 * 1024
+#: The job's final report, also written to this file in the agent's log directory.
+REPORT_FILE = "failure_report.txt"
 
 def peer_lost(failure: WorkerFailure) -> bool:
     """Whether ``failure``'s message or traceback reads like a peer's connection closing
@@ -88,6 +93,9 @@ class FailureReport:
         self.failed_round = False
         #: this round's stacks are in (a hang's report took them)
         self.stacks_taken = False
+        #: where `final` also writes the job's report (the agent's log directory's
+        #: `REPORT_FILE`, set once that exists), or None: the console only
+        self.report_path: Path | None = None
 
     def new_round(self) -> None:
         """A new group starts: nothing of it has failed or been taken yet."""
@@ -223,7 +231,8 @@ class FailureReport:
     def final(
         self, rdzv, round: int, local: list[WorkerFailure], node_rank: int | None
     ) -> int:
-        """Print the job-wide root-cause report of ``round``; ``local`` are this node's own
+        """Print the job-wide root-cause report of ``round`` (also written to `report_path`,
+        named in its title line); ``local`` are this node's own
         failures and stopped ranks (node rank ``node_rank``). Returns the root-cause worker's
         exit status, or 128+N when a handled signal N arrived meanwhile (signals win)."""
         try:
@@ -250,14 +259,41 @@ class FailureReport:
         if all(f.stopped for f in failures):
             say("error: the job failed on another node, which published no failure record")
             if failures:
-                print(format_report(failures), file=sys.stderr, flush=True)
+                self._print(failures)
             return 1
-        print(format_report(failures), file=sys.stderr, flush=True)
+        self._print(failures)
         stop = self.signals.stop_signal
         if stop is not None:  # it came while the group was being stopped
             say(f"received {signal_name(stop)}; exiting")
             return 128 + stop
         return root_cause(failures).exit_status
+
+    def _print(self, failures: list[WorkerFailure]) -> None:
+        """The report on the console (`say_text`: queued, never blocking) and in
+        `report_path`, which its title line names; a file that cannot be written is said."""
+        path = self.report_path
+        text = None
+        if path is not None:
+            title = f"meshrun: job failed (this report is also in {path})"
+            text = format_report(failures, title=title)
+            try:
+                _write_private(path, text + "\n")
+            except OSError as e:
+                say(f"cannot write the failure report to {path}: {e.strerror or e}")
+                text = None
+        say_text((text or format_report(failures)) + "\n")
+
+
+def _write_private(path, text: str) -> None:
+    """Write ``text`` to ``path`` (made 0600, replaced if there, never through a symlink)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        view = memoryview(text.encode("utf-8", "replace"))
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _with_longer_text(published: WorkerFailure, local: WorkerFailure | None) -> WorkerFailure:
