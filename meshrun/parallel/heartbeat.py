@@ -1,4 +1,5 @@
-"""Progress for ``meshrun --hang-timeout``: heartbeats, long work, collectives; stack dumps.
+"""Progress for meshrun's agent (``--hang-timeout``, stragglers): heartbeats, long work,
+collectives; stack dumps.
 
 The agent gives each worker ``MESHRUN_PROGRESS_FILE``, a small file of little-endian uint64
 slots that this module maps once and then updates in memory (a store: no system call, no lock,
@@ -51,8 +52,9 @@ _lock = threading.Lock()  # slots written from a busy() thread and the main thre
 def heartbeat() -> None:
     """Record one unit of progress of this rank (a training step, say).
 
-    Costs a few stores to memory after the first call. A no-op when the process was not
-    started by ``meshrun --hang-timeout``.
+    Costs a few stores to memory after the first call. A no-op outside meshrun (plain
+    python, torchrun); under meshrun the agent reads it for ``--hang-timeout`` and for
+    straggler lines.
     """
     _bump(_HEARTBEATS, 1)
 
