@@ -211,7 +211,9 @@ class Console:
         self._writes = 0  # completed writes, for close()'s progress check
         self._busy = False  # the writer thread is writing an item it took
         self._lagging = False  # a say() wait ran out; none waits until the queue is empty
+        self._gave_up = -1  # self._writes when finish() last gave up
         self._own = ConsoleStream(self, b"", "meshrun's own lines", "")
+        self._py = ConsoleStream(self, b"", "meshrun's other output (warnings, log records)", "")
 
     def stream(self, prefix: str = "", label: str = "output", log_path: str = "") -> ConsoleStream:
         """A new queue onto this console for one worker stream; ``label`` ("rank 3's stdout")
@@ -256,27 +258,37 @@ class Console:
             ):
                 self._lagging = True
 
+    def write_bytes(self, data: bytes) -> None:
+        """Queue ``data`` that Python code of the agent wrote to ``sys.stdout`` or
+        ``sys.stderr`` (a warning, a log record of ``logging``'s last-resort handler:
+        `meshrun.launcher.stdio.route_to_console` sends them here while the agent runs), as
+        a stream of its own: bounded and dropped as a worker stream is, never waiting."""
+        self._put(self._py, bytes(data))
+
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until everything queued is written; True if it was."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._items and not self._busy, timeout)
 
     def finish(self, stall_s: float = 1.0) -> bool:
-        """The agent exits: queue the note of meshrun's own lines dropped (if any), then wait
+        """The agent exits: queue the note of meshrun's own output dropped (if any), then wait
         until everything queued is written, for as long as writes keep completing (giving up
         after ``stall_s`` seconds without one: a blocked console never holds the exit; what
         is still queued then is dropped and counted in ``dropped_lines``/``dropped_bytes``).
         True if everything was written."""
-        s = self._own
         with self._cond:
-            if s.dropping and not self._broken:
-                self._append(_Item(s, s._note(), True))
+            for s in (self._own, self._py):
+                if s.dropping and not self._broken:
+                    self._append(_Item(s, s._note(), True))
             seen, since = self._writes, time.monotonic()
+            if self._gave_up == seen:  # stalled at an earlier finish, no write since
+                since -= stall_s
             while (self._items or self._busy) and not self._broken:
                 if self._writes != seen:
                     seen, since = self._writes, time.monotonic()
                 left = since + stall_s - time.monotonic()
                 if left <= 0:
+                    self._gave_up = seen
                     for item in self._items:
                         item.stream.queued_items -= 1
                         if not item.note:

@@ -22,7 +22,7 @@ import click
 from meshrun.exits import EXIT_USAGE, ConfigError  # the launcher's and the agent's
 from meshrun.launcher.build import build_config
 from meshrun.launcher.errors import redact_secrets
-from meshrun.launcher.stdio import survive_closed_console
+from meshrun.launcher.stdio import finish_console, route_to_console, survive_closed_console
 from meshrun.launcher.subcommands import SUBCOMMANDS
 
 
@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         agent = Agent(config)  # checks what only the agent knows (rendezvous settings)
     except ConfigError as e:
         fail(str(e))
+    route_to_console()  # the agent's Python output (warnings, logging) never blocks it
     sys.exit(agent.run())
 
 
@@ -61,7 +62,9 @@ def console_main() -> None:
     released; what is left is the interpreter's teardown of torch (about 0.4 s here), which a
     user waiting on a stopped job should not pay. So stdio is flushed and the process leaves
     with ``os._exit``. A console that goes away (``meshrun ... | head``) is survived
-    (`meshrun.launcher.stdio`): the job runs on, and the exit code stays the job's. A
+    (`meshrun.launcher.stdio`): the job runs on, and the exit code stays the job's; one that
+    blocks (a pipe nobody reads) never holds the agent: while it runs, its Python output goes
+    through the console's queue (`route_to_console`), flushed at the exit with a bound. A
     scheduler's warning (SIGUSR1/2) during start-up is survived: `meshrun._console`, the
     console script's entry, put a handler in place before this module was imported.
     """
@@ -74,6 +77,7 @@ def console_main() -> None:
             print(e.code, file=sys.stderr)
     else:
         code = 0
+    finish_console()  # what the agent's console still has queued, bounded
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

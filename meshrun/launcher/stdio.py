@@ -11,16 +11,24 @@ the first such error, discards what is written to that stream (the usual fix is 
 descriptor at ``/dev/null``, as Python's docs advise for SIGPIPE; this does the same without
 touching a descriptor that the workers' console copy shares). Only write errors are absorbed;
 nothing else about the streams changes (encoding, line buffering, ``isatty``).
+
+While the agent runs (`route_to_console`), what Python code writes to those streams (a
+warning, a record of ``logging``'s last-resort handler, as the rendezvous logs) goes through the
+agent's console queue (`meshrun.agent.console`: bounded, never blocking, in order with the
+workers' and the agent's lines) instead of a blocking write: a console nobody reads never stops
+the agent (issue 50). `finish_console` writes what is queued at the exit, bounded.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import select
 import sys
+from collections.abc import Callable
 
-__all__ = ["survive_closed_console"]
+__all__ = ["finish_console", "route_to_console", "survive_closed_console"]
 
 
 class _SurvivingRaw(io.RawIOBase):
@@ -30,6 +38,8 @@ class _SurvivingRaw(io.RawIOBase):
         super().__init__()
         self._fd = fd
         self.gone = False
+        #: where writes go instead of the descriptor (`route_to_console`), or None
+        self.route: Callable[[bytes], None] | None = None
 
     def writable(self) -> bool:
         return True
@@ -46,6 +56,10 @@ class _SurvivingRaw(io.RawIOBase):
     def write(self, data) -> int:  # type: ignore[override]
         n = len(memoryview(data).cast("B"))
         if self.gone:
+            return n
+        route = self.route
+        if route is not None:
+            route(bytes(data))
             return n
         while True:
             try:
@@ -89,3 +103,45 @@ def survive_closed_console() -> None:
         )
         _replaced.append(old)
         setattr(sys, name, new)
+
+
+_routed: list[_SurvivingRaw] = []
+
+
+def route_to_console() -> None:
+    """Send what is written to the surviving ``sys.stdout`` and ``sys.stderr`` (see
+    `survive_closed_console`; other streams are left alone) through the agent's console
+    (`meshrun.agent.console.Console.write_bytes`), from now on; an exit handler writes what is
+    still queued (`finish_console`). For the agent's run only: a subcommand's output (``meshrun
+    stacks | less``) is written as usual, waiting for its reader."""
+    from meshrun.agent import console
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        raw = getattr(getattr(stream, "buffer", None), "raw", None)
+        if not isinstance(raw, _SurvivingRaw) or raw.route is not None:
+            continue
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        raw.route = lambda data, name=name: console.console(name).write_bytes(data)
+        _routed.append(raw)
+    if _routed:
+        atexit.register(finish_console)
+
+
+def finish_console(stall_s: float = 1.0) -> bool:
+    """Write what is queued on the agent's consoles, while they take it (``stall_s`` seconds
+    without progress: given up, `meshrun.agent.console.finish`); True when nothing was left.
+    Nothing to do unless `route_to_console` was called."""
+    if not _routed:
+        return True
+    from meshrun.agent import console
+
+    for name in ("stdout", "stderr"):
+        try:
+            getattr(sys, name).flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    return console.finish(stall_s)

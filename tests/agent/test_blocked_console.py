@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -257,3 +258,47 @@ def test_the_agent_s_lines_and_a_worker_s_stay_in_order_and_the_report_is_whole(
         "[0]: worker line 1\nmeshrun: agent line\n[0]: worker line 2\n"
         "=====\nreport line a\nreport line b\n=====\n[0]: worker line 3\n"
     )
+
+
+ROUTED = """
+import logging, os, sys, time
+from meshrun.launcher.stdio import finish_console, route_to_console, survive_closed_console
+survive_closed_console()
+route_to_console()
+t0 = time.monotonic()
+for i in range(2000):
+    logging.warning("warning %04d %s", i, "w" * 80)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(time.monotonic() - t0))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+sys.exit(0 if finish_console(stall_s=30) else 5)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_agent_s_python_output_never_blocks_it(tmp_path):
+    """What agent code writes through Python's streams (the rendezvous' ``logging`` warnings,
+    by the last-resort handler) while the agent runs takes the console's queue: a process
+    whose stderr is a pipe nobody reads logs 200 kB of warnings in well under a second (a
+    blocking write stops at 64 KiB); once the pipe is read, all of them come, in order."""
+    took = tmp_path / "took"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ROUTED, str(took)],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not took.exists():
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the warnings blocked on the unread pipe"
+            time.sleep(0.02)
+        assert float(took.read_text()) < 2.0
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = err.splitlines()
+    assert lines == [f"WARNING:root:warning {i:04d} " + "w" * 80 for i in range(2000)], lines[-3:]
