@@ -239,19 +239,9 @@ class Console:
             data += b"\n"
         s = self._own
         with self._cond:
-            if self._broken:
+            if not self._queue(s, data) or self._lagging:
                 return
-            if s.dropping:
-                if not self._drained(s):
-                    s._drop(data)
-                    return
-                self._append(_Item(s, s._note(), True))
-            if s.queued_bytes + len(data) > self.max_queued_bytes:
-                s.dropping = True
-                s._drop(data)
-                return
-            self._append(_Item(s, data, False))
-            if self._lagging or threading.current_thread() is not threading.main_thread():
+            if threading.current_thread() is not threading.main_thread():
                 return
             if not self._cond.wait_for(
                 lambda: not s.queued_items or self._broken, self.say_wait_s
@@ -289,12 +279,7 @@ class Console:
                 left = since + stall_s - time.monotonic()
                 if left <= 0:
                     self._gave_up = seen
-                    for item in self._items:
-                        item.stream.queued_items -= 1
-                        if not item.note:
-                            item.stream.queued_bytes -= len(item.data)
-                            item.stream._drop(item.data)
-                    self._items.clear()
+                    self._forget(lambda item: True)
                     return False
                 self._cond.wait(left)
             return not self._broken
@@ -305,27 +290,47 @@ class Console:
         if not data:
             return
         with self._cond:
-            if self._broken:
-                return
-            if s.dropping:
-                if not self._drained(s):
-                    s._drop(data)
-                    return
-                if not s.dropped_at_line_start:  # resume where the next line starts
-                    m = _LINE_END.search(data)
-                    if m is None:
-                        s._drop(data)
-                        return
-                    s._drop(data[: m.end()])
-                    data = data[m.end() :]
-                self._append(_Item(s, s._note(), True))
-                if not data:
-                    return
-            if s.queued_bytes + len(data) > self.max_queued_bytes:
-                s.dropping = True
+            self._queue(s, data)
+
+    def _queue(self, s: ConsoleStream, data: bytes) -> bool:
+        """Queue ``data`` of ``s``, or drop it (see this module); True if some of it was
+        queued. Called with the lock held."""
+        if self._broken:
+            return False
+        if s.dropping:
+            if not self._drained(s):
                 s._drop(data)
-                return
-            self._append(_Item(s, data, False))
+                return False
+            if not s.dropped_at_line_start:  # resume where the next line starts
+                m = _LINE_END.search(data)
+                if m is None:
+                    s._drop(data)
+                    return False
+                s._drop(data[: m.end()])
+                data = data[m.end() :]
+            self._append(_Item(s, s._note(), True))
+            if not data:
+                return False
+        if s.queued_bytes + len(data) > self.max_queued_bytes:
+            s.dropping = True
+            s._drop(data)
+            return False
+        self._append(_Item(s, data, False))
+        return True
+
+    def _forget(self, which: Callable[[_Item], bool]) -> None:
+        """Drop the queued items ``which`` picks, counted as not shown (notes aside). Called
+        with the lock held."""
+        kept: deque[_Item] = deque()
+        for item in self._items:
+            if not which(item):
+                kept.append(item)
+                continue
+            item.stream.queued_items -= 1
+            if not item.note:
+                item.stream.queued_bytes -= len(item.data)
+                item.stream._drop(item.data)
+        self._items = kept
 
     def _append(self, item: _Item) -> None:
         self._items.append(item)
@@ -349,15 +354,7 @@ class Console:
                 if left <= 0:
                     # Stalled: forget this stream's queued output (so a blocked console does
                     # not pile up memory round after round), leave one note for its count.
-                    kept = deque()
-                    for item in self._items:
-                        if item.stream is s and not item.note:
-                            s._drop(item.data)
-                            s.queued_items -= 1
-                            s.queued_bytes -= len(item.data)
-                        else:
-                            kept.append(item)
-                    self._items = kept
+                    self._forget(lambda item: item.stream is s and not item.note)
                     if s.dropped_bytes:
                         self._append(_Item(s, s._note(), True))
                     self._release(s)
