@@ -37,8 +37,9 @@ the thread that copies it to a file every 0.5 s), alternating, ``--rounds`` runs
 median step time of each side, their ratio, and the run-to-run noise (the spread of the
 per-run medians within each side), so a cost below the noise reads as such.
 
-``--desync``: the cost of ``meshrun --desync-check`` (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
-fingerprint check before every collective): microseconds per ``all_reduce`` of 256 floats on
+``--desync``: the cost of torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` fingerprint check before
+every collective (what ``meshrun --desync-check`` set before issue 48; meshrun's own check
+now: ``benchmarks/desync.py``): microseconds per ``all_reduce`` of 256 floats on
 2 ranks (1000 calls, median of ``--rounds`` runs each side, alternating), and meshrun ``ddp``'s
 step time, with the check off and on.
 """
@@ -120,7 +121,7 @@ def worker(rank, model_name, mode, port, steps, warmup, out_dir, hook=None, rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    if desync:  # as meshrun --desync-check sets it for the workers (read at torch's import)
+    if desync:  # torch's DETAIL check (read at torch's import)
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()
     if record:  # as meshrun's worker site starts it: the ring before the group, then the copy
@@ -195,7 +196,7 @@ def collective_worker(rank, port, out_dir, desync, calls):
 
 
 def desync_table(args):
-    """Per-collective and per-step cost of torch's fingerprint check (--desync-check)."""
+    """Per-collective and per-step cost of torch's fingerprint check (TORCH_DISTRIBUTED_DEBUG)."""
     us = {False: [], True: []}
     for _ in range(args.rounds):
         for desync in (False, True):
@@ -271,7 +272,7 @@ def main():
     p.add_argument("--record", action="store_true",
                    help="instead: meshrun ddp with the collective record off vs on")
     p.add_argument("--desync", action="store_true",
-                   help="instead: the cost of --desync-check (torch's DETAIL fingerprint check)")
+                   help="instead: the cost of torch's DETAIL fingerprint check")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     if args.desync:
