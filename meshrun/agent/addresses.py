@@ -68,14 +68,45 @@ def note_loopback_store(endpoint: str, store) -> None:
         )
 
 
+def users_master(config: LaunchConfig) -> tuple[str, int] | None:
+    """``(--master-addr, --master-port)`` when the workers' store is to be the user's: a
+    one-node static job given ``--master-port P`` (or ``PET_MASTER_PORT``, P > 0). torchrun's
+    static rendezvous hosts a TCPStore on P then and passes ``--master-addr`` and P through
+    (``StaticTCPRendezvous``), so a script's ``init_method="tcp://localhost:P"`` meets there;
+    meshrun's workers' store listens on P for it. None otherwise (and with ``--rdzv-conf
+    workers_port=N``, which names the store's port itself): the OS picks the port, and
+    MASTER_ADDR is the address node rank 0 advertises. A static job of several nodes keeps
+    its rendezvous store on P, so its workers' store cannot be there too."""
+    c = config
+    if c.rdzv_backend != "static" or c.max_nodes != 1 or c.standalone or not c.master_port:
+        return None
+    if "workers_port" in c.rdzv_conf:
+        return None
+    return c.master_addr, c.master_port
+
+
 def bootstrap_bind(config: LaunchConfig, settings: RendezvousSettings, advertised: str) -> str:
     """The address the workers' store listens on when this node hosts it: the one it
     advertises as MASTER_ADDR (resolved here when a name), never the wildcard unless
-    ``--rdzv-conf bind_all=true`` asks (""); 127.0.0.1 for a single-node job.
+    ``--rdzv-conf bind_all=true`` asks (""); 127.0.0.1 for a single-node job, or the address
+    of this host that ``--master-addr`` names when the store is the user's (`users_master`).
 
     Raises:
-        ConfigError: the advertised address (``--local-addr``) is no address of this host.
+        ConfigError: the advertised address (``--local-addr``), or ``--master-addr`` when the
+            store is the user's, is no address of this host.
     """
+    if (users := users_master(config)) is not None:
+        if settings.bind_all:
+            return ""
+        addr = bind_address(users[0])
+        if addr is None:
+            raise ConfigError(
+                f"--master-addr {users[0]} is not an address of this host, and a one-node job "
+                f"hosts the workers' store (--master-port {users[1]}) there; give an address "
+                "of this host (the default 127.0.0.1 will do), or --rdzv-conf bind_all=true "
+                "to listen on every interface"
+            )
+        return addr
     if config.max_nodes == 1:
         return "127.0.0.1"
     if settings.bind_all:

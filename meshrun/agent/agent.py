@@ -222,9 +222,10 @@ class Agent:
                 nproc=self.config.nproc_per_node,
                 node_rank_hint=self.config.node_rank,
             )
+            users = addresses.users_master(self.config)  # --master-port P on one node
             bootstrap = BootstrapStore(
                 addresses.bootstrap_bind(self.config, self.settings, me.addr),
-                port=workers_port(self.settings),
+                port=workers_port(self.settings) or (users[1] if users else 0),
             )
             rdzv = Rendezvous(
                 store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
@@ -263,15 +264,22 @@ class Agent:
             self._signals.restore()
 
     def _open(self, bootstrap: BootstrapStore, me: NodeDesc) -> tuple[str, int]:
-        """Start the round's workers' store (on node rank 0); return its address."""
+        """Start the round's workers' store (on node rank 0); return its address: the one this
+        node advertises, or ``--master-addr`` as given (``localhost`` stays ``localhost``) when
+        the store is on the user's ``--master-port`` (`addresses.users_master`)."""
         bootstrap.close()
+        users = addresses.users_master(self.config)
+        addr = users[0] if users else me.addr
         try:
-            return me.addr, bootstrap.open()
-        except OSError as e:  # a --rdzv-conf workers_port=N that another process holds
-            port = workers_port(self.settings) or "a free port"
+            return addr, bootstrap.open()
+        except OSError as e:  # a --rdzv-conf workers_port=N or --master-port P already taken
+            fixed = workers_port(self.settings)
+            option = "--rdzv-conf workers_port" if fixed else "--master-port"
+            fixed = fixed or (users[1] if users else 0)
+            hint = f" (is {option} {fixed} already in use?)" if fixed else ""
             raise RendezvousError(
-                f"cannot host the workers' store on {me.addr} port {port}: "
-                f"{e.strerror or e} (is --rdzv-conf workers_port already in use?)"
+                f"cannot host the workers' store on {addr} port {fixed or 'a free port'}: "
+                f"{e.strerror or e}{hint}"
             ) from None
 
     def _loop(self, rdzv: Rendezvous, reaper: Reaper, bootstrap: BootstrapStore) -> int:

@@ -87,7 +87,10 @@ def worker_env(
 
     Names and meanings are torchrun's (``LocalElasticAgent._start_workers``), so
     ``torch.distributed.is_torchelastic_launched()`` is true and ``init_process_group("env://")``
-    connects to this round's bootstrap store as a client.
+    connects to this round's bootstrap store as a client. ``TORCHELASTIC_RUN_ID`` is
+    ``--rdzv-id`` as torchrun passes it (its handlers' ``get_run_id()``: ``none`` unless given,
+    a fresh UUID for a standalone job), not the agent's own id of a one-node job (a random one
+    for its log directory).
     """
     rank = info.rank_offset + local_rank
     env = {k: v for k, v in os.environ.items() if not is_secret_env(k)}
@@ -110,7 +113,7 @@ def worker_env(
         MASTER_PORT=str(info.master_port),
         TORCHELASTIC_RESTART_COUNT=str(info.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
-        TORCHELASTIC_RUN_ID=info.run_id,
+        TORCHELASTIC_RUN_ID=config.rdzv_id,  # as torchrun: --rdzv-id as given
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=str(error_file),
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

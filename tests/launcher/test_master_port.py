@@ -1,0 +1,89 @@
+"""``--master-port P`` on one node: the workers' store listens on P, as torchrun's static
+rendezvous does (it hosts a TCPStore on P and passes P through), so a script that names its
+own store, ``init_process_group(init_method="tcp://localhost:P")``, meets there instead of
+waiting for torch's 30-minute timeout on a port nobody listens on. The same test runs under
+torchrun (``python -m torch.distributed.run``), the reference, and under meshrun."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.timeout(150)
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "tcp_init.py")
+LAUNCHERS = {
+    "meshrun": [sys.executable, "-m", "meshrun"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+}
+
+
+def _records(path: Path) -> list[dict]:
+    return sorted((json.loads(line) for line in path.read_text().splitlines()),
+                  key=lambda r: int(r["RANK"]))  # fmt: skip
+
+
+def _run(launch, command: list[str], args: list[str], env: dict[str, str] | None = None):
+    """Run a launcher to its end (a liveness bound of 90 s: the hang this is about lasts 30
+    minutes; the worker's own store timeout is 30 s)."""
+    proc = launch.start(args, command=command, env=env)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except Exception:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{command[-1]} {args} did not finish in 90 s\n{out}\n{err}") from None
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_tcp_init_method_on_the_given_master_port(launch, launcher):
+    """torch's launcher test (test_run.py, ``tcp://localhost:P``): one node, two workers,
+    ``--master-addr localhost --master-port P``: both finish, the all_reduce sums 2, and each
+    worker sees MASTER_ADDR=localhost (the name given), MASTER_PORT=P, TORCHELASTIC_RUN_ID=none
+    (torchrun's static backend passes --rdzv-id, default none)."""
+    port, out = launch.free_port(), launch.cwd / "records.jsonl"
+    code, _, err = _run(launch, LAUNCHERS[launcher], [
+        "--nproc-per-node", "2", "--master-addr", "localhost", "--master-port", str(port),
+        SCRIPT, "localhost", str(port), str(out)])  # fmt: skip
+    assert code == 0, err
+    records = _records(out)
+    assert [r["RANK"] for r in records] == ["0", "1"], records
+    for r in records:
+        assert r["sum"] == 2
+        assert (r["MASTER_ADDR"], r["MASTER_PORT"]) == ("localhost", str(port)), r
+        assert r["TORCHELASTIC_RUN_ID"] == "none", r
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True", r
+
+
+def test_pet_master_port_and_default_master_addr(launch):
+    """PET_MASTER_PORT stands in for --master-port; --master-addr's default (127.0.0.1) is what
+    the workers get, and a tcp:// group on 127.0.0.1:P meets there."""
+    port, out = launch.free_port(), launch.cwd / "records.jsonl"
+    code, _, err = _run(launch, LAUNCHERS["meshrun"], [
+        "--nproc-per-node", "2", SCRIPT, "127.0.0.1", str(port), str(out)],
+        env={"PET_MASTER_PORT": str(port)})  # fmt: skip
+    assert code == 0, err
+    records = _records(out)
+    assert len(records) == 2 and {r["sum"] for r in records} == {2}, records
+    assert {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records} == {("127.0.0.1", str(port))}
+
+
+def test_master_port_in_use_is_one_line_and_exit_3(launch):
+    """A --master-port another process holds: nothing runs, one line names the port and the
+    option, exit 3 (a store that cannot be hosted), within seconds."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = _run(launch, LAUNCHERS["meshrun"], [
+            "--nproc-per-node", "2", "--master-port", str(port),
+            SCRIPT, "127.0.0.1", str(port), "unused"])  # fmt: skip
+    assert code == 3, err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and f"port {port}" in lines[0] and "--master-port" in lines[0], err
