@@ -285,13 +285,17 @@ class FailureReport:
 
 
 def _write_private(path, text: str) -> None:
-    """Write ``text`` to ``path`` (made 0600, replaced if there, never through a symlink)."""
+    """Write ``text`` to ``path`` (made 0600, replaced if there, never through a symlink);
+    on an OSError (a full disk) the partial file is removed and the error raised."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, 0o600)
     try:
         view = memoryview(text.encode("utf-8", "replace"))
         while view:
             view = view[os.write(fd, view) :]
+    except OSError:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
 

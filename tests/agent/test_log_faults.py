@@ -480,3 +480,25 @@ def test_log_disk_full_before_a_round_with_hang_detection_trains_on(launch, smal
     assert "hang detection off for round 0" in res.stderr, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
+
+
+@pytest.mark.timeout(90)
+def test_a_full_log_disk_keeps_the_failure_report_on_the_console(launch, small_disk, tmp_path):
+    """The log disk is full when the job fails: the report file cannot be written, which is
+    said in one line (no partial file left), and the whole report is still on the console,
+    its title naming no file; the exit status is the worker's."""
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    script = tmp_path / "fail7.py"
+    script.write_text("import sys\nsys.exit(7)\n")
+    res = launch.run(["--nproc-per-node", "1", "--log-dir", str(small_disk), str(script)],
+                     timeout=60)  # fmt: skip
+    assert res.returncode == 7, res.stderr[-3000:]
+    [said] = [ln for ln in res.stderr.splitlines() if "cannot write the failure report" in ln]
+    assert "failure_report.txt" in said and "No space left on device" in said, said
+    assert "\nmeshrun: job failed\n" in res.stderr and "exit code 7" in res.stderr, res.stderr
+    assert not list(small_disk.glob("*/*/failure_report.txt"))
