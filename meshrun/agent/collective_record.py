@@ -176,7 +176,7 @@ class Recorder:
         if nccl != self._sites_nccl:
             self._sites, self._sites_nccl = {}, nccl
         ids = {int(e.get("record_id", -1)) for e in ring.get("entries", [])}
-        if ids - self._sites.keys() and "torch._inductor.codecache" in sys.modules:
+        if ids - self._sites.keys() and _imported("torch._inductor.codecache"):
             try:
                 frames = self._torch.flight_recorder_frames(nccl=nccl)
             except Exception:  # noqa: BLE001 - no call sites then; the calls stay
@@ -396,6 +396,16 @@ def parse_ranges(text: str) -> list[int]:
         first, _, last = part.partition("-")
         ranks.extend(range(int(first), int(last or first) + 1))
     return ranks
+
+
+def _imported(name: str) -> bool:
+    """Whether module ``name`` is imported and done executing: a module is in ``sys.modules``
+    from the start of its import, and this thread touching torch's lazily imported modules
+    while the script's thread is still importing them is how a worker got a "partially
+    initialized module" ImportError of ``torch._inductor`` (seen in a test run)."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
 
 
 def _door():
