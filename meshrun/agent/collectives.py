@@ -391,7 +391,7 @@ def desync_line(calls: dict[int, Call], sites: dict[int, str]) -> str:
     line = "; ".join(parts)
     if len(calls) == 1:
         line += ", which another rank did not"
-    return line + " (torch's fingerprint check, --desync-check)"
+    return line + " (torch's fingerprint check, TORCH_DISTRIBUTED_DEBUG=DETAIL)"
 
 
 def _call_text(c: Call) -> str:

@@ -279,7 +279,7 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
     """
     from meshrun.agent.collectives import from_summary, pending_call
 
-    failures = list(failures)
+    failures = _one_per_rank(failures)
     records = {}
     for f in failures:
         record = from_summary(f.calls)
@@ -296,6 +296,18 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
         out.append(dataclasses.replace(
             f, state=Place.WAITING, collective=f"{call.op} #{call.seq}{group}", at=at))
     return out
+
+
+def _one_per_rank(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
+    """One record per global rank, in the order given: a rank that two nodes published (a
+    desync's likely cause named by node rank 0 while its own node stopped it) keeps the
+    record of its failure over a ``stopped`` one, else the first."""
+    kept: dict[int, WorkerFailure] = {}
+    for f in failures:
+        other = kept.get(f.global_rank)
+        if other is None or (other.stopped and not f.stopped):
+            kept[f.global_rank] = f
+    return [f for f in failures if kept.get(f.global_rank) is f]
 
 
 def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
@@ -424,6 +436,9 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
     exit_text = first.describe_exit()
     if first.source == "stack":
         exit_text = f"hung, stopped by the agent (exit status {first.exit_status})"
+    elif first.source == "desync":
+        exit_text = (f"stopped by the agent: a desync (--desync-check), exit status "
+                     f"{first.exit_status}")  # fmt: skip
     hint = _exit_hint(first)
     lines.append(f"  exit       : {exit_text}" + (f" - {hint}" if hint else ""))
     lines.append(f"  time       : {_format_time(first.timestamp_ms)}")
@@ -439,7 +454,7 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         }.get(first.source, "traceback")
         lines.append(f"  {what}:")
         lines.extend("    " + line for line in first.traceback.rstrip("\n").splitlines())
-    else:
+    elif first.source != "desync":  # the desync line above is the whole story
         lines.append(
             "  traceback  : none (no error file: decorate main with torch's "
             "@record to get one; stderr was empty)"

@@ -19,6 +19,8 @@ Keys, under ``/meshrun/<run_id>/``::
                             waits in the exit barrier: if it is lost then, its part is done and
                             the others do not restart the round for it
     r<T>/failure/<rank>     each node's worker failures, for the job-wide root cause
+    r<T>/desync/<rank>      each node's digest of its ranks' collectives, with --desync-check
+                            (`meshrun.agent.desync`; node rank 0 reads them)
     r<T>/reported/, allreported, r<T>/left/   registers: who reported, who left
     swept                   the last round whose keys were deleted
     liveness/<node_id>      heartbeats (etcd: lease-bound keys)

@@ -243,7 +243,7 @@ def test_desync_line_names_the_call_within_its_own_group():
     _, call = desync_call(TORCH_MISMATCH)
     assert desync_line({1: call}, {1: "t.py:3 in f"}) == (
         "rank 1 called all_reduce #2 of its group (float[4]) at t.py:3 in f, which another "
-        "rank did not (torch's fingerprint check, --desync-check)")
+        "rank did not (torch's fingerprint check, TORCH_DISTRIBUTED_DEBUG=DETAIL)")
 
 
 def test_recorder_leaves_out_the_calls_of_a_destroyed_group(tmp_path, monkeypatch, launch):

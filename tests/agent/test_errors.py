@@ -171,3 +171,22 @@ def test_an_abort_in_torchs_teardown_is_named_in_the_report():
     assert "signal SIGABRT (exit status 134) - torch's C++ teardown at interpreter exit" in report
     other = WorkerFailure(0, 0, 10, -6, 1000, traceback="assert failed\n", source="stderr")
     assert "abort() in native code" in format_report([other])
+
+
+def test_a_rank_published_by_two_nodes_is_reported_once_as_its_failure():
+    """A desync's likely cause on another node is published by node rank 0 as a failure while
+    its own node stops it: the report lists it once, as the failure, with the desync's words."""
+    from meshrun.agent.errors import WorkerFailure, format_report, placed
+
+    line = "desync in group 0 at call #3: rank 3 called barrier(), ranks 0-2 called all_reduce(float[4])"
+    cause = WorkerFailure(1, 3, 33, 1, 2000, host="b", node_rank=1, message=line, source="desync")
+    stopped = WorkerFailure(1, 3, 33, -15, 2001, host="b", node_rank=1, stopped=True,
+                            source="stack", state="waiting", collective="barrier", at="t.py:3 in f")
+    other = WorkerFailure(0, 2, 22, -15, 2002, host="b", node_rank=1, stopped=True,
+                          source="stack", state="waiting", collective="all_reduce", at="t.py:2 in f")
+    for records in ([stopped, other, cause], [cause, other, stopped]):
+        assert [f.global_rank for f in placed(records)].count(3) == 1
+        report = format_report(records)
+        assert report.count("rank 3 (") == 0 and "  rank       : 3 (local rank 1)" in report, report
+        assert "exit       : stopped by the agent: a desync (--desync-check), exit status 1" in report
+        assert "decorate main" not in report, report
