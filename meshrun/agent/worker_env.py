@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
 from meshrun import exit_guard, in_place
@@ -115,6 +116,11 @@ def worker_env(
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=config.rdzv_id,  # as torchrun: --rdzv-id as given
         TORCHELASTIC_USE_AGENT_STORE="True",
+        # torchrun sets it in its own environment (launcher/api.py), so its workers inherit it;
+        # torch's process contexts read it (SIGTERM,SIGINT,SIGHUP,SIGQUIT by default)
+        TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(
+            signal.Signals(n).name for n in config.signals_to_handle
+        ),
         TORCHELASTIC_ERROR_FILE=str(error_file),
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         MESHRUN_ROUND=str(info.round),

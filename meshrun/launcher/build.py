@@ -211,7 +211,7 @@ def build_config_and_notes(
         log_max_bytes=get("log_max_bytes", v.parse_bytes) if given("log_max_bytes") else None,
         start_method=get("start_method", lambda s: v.parse_choice(s, START_METHODS)),
         event_log_handler=str(raw["event_log_handler"].value),
-        logs_specs=str(raw["logs_specs"].value) if given("logs_specs") else None,
+        logs_specs=get("logs_specs", v.parse_logs_specs) if given("logs_specs") else None,
         numa_binding=(
             get("numa_binding", lambda s: v.parse_choice(s, NUMA_MODES))
             if given("numa_binding")

@@ -12,6 +12,7 @@ everything after it belongs to the script, even ``--nnodes 5``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import click
@@ -197,8 +198,8 @@ HELP = """Start the workers of one node of a PyTorch job, as torchrun does.
 
 Options go before SCRIPT; everything after SCRIPT is passed to it untouched (${local_rank}
 is replaced by each worker's local rank). Every option also takes its underscore spelling
-(--nproc_per_node), and a PET_<NAME> environment variable (PET_NPROC_PER_NODE) stands in for
-it as in torchrun. Precedence: --config file < environment < command line.
+(--nproc_per_node) and an unambiguous prefix (--redirect=3), and a PET_<NAME> environment
+variable (PET_NPROC_PER_NODE) stands in for it as in torchrun. Precedence: --config file < environment < command line.
 """
 
 
@@ -255,12 +256,61 @@ def _help_record(spec: OptionSpec) -> tuple[str, str]:
     return shown, text
 
 
+class AmbiguousOption(click.BadOptionUsage):
+    """A long-option prefix that several options start with (``--master``); the message lists
+    them, one spelling each (``could be --master-addr, --master-port``)."""
+
+
+def prefix_resolver(
+    params: list[click.Parameter], help_names: tuple[str, ...] = ()
+) -> Callable[[str], str]:
+    """click's ``token_normalize_func`` for ``params``: a long option's unambiguous prefix read
+    as the option, as torchrun's argparse reads it (``allow_abbrev``): ``--redirect=3`` is
+    ``--redirects 3``, ``--nproc-per 2`` is ``--nproc-per-node 2``.
+
+    ``help_names`` are the help option's spellings (click adds that option to ``params`` only
+    when it parses). click calls it with an option's name without its dashes, for the options
+    it registers and
+    for every option token of the command line (never the script's arguments: parsing stops at
+    SCRIPT). An exact name is itself; a one-letter name too (``-m``, ``-r``: short options,
+    never a prefix). A prefix that spellings of one option share (``--nproc``: ``--nproc-per-node``
+    and ``--nproc_per_node``) is that option, where Python 3.11's argparse calls it ambiguous;
+    a prefix of several options raises `AmbiguousOption` (exit 2, one line); anything else is
+    left to click's "no such option".
+    """
+    owner: dict[str, str] = {}  # long name without dashes -> its option's dest
+    first: dict[str, str] = {}  # dest -> its first long spelling, for messages
+    spellings = [(p.name or "", opt) for p in params for opt in getattr(p, "opts", [])]
+    spellings += [("help", opt) for opt in help_names]
+    for dest, opt in spellings:
+        if opt.startswith("--"):
+            owner[opt[2:]] = dest or opt
+            first.setdefault(dest or opt, opt)
+
+    def resolve(name: str) -> str:
+        if name in owner or len(name) < 2:
+            return name
+        matches = [n for n in owner if n.startswith(name)]
+        options = list(dict.fromkeys(owner[n] for n in matches))
+        if len(options) == 1:
+            return matches[0]
+        if len(options) > 1:
+            raise AmbiguousOption(
+                f"--{name}", f"ambiguous option: could be {', '.join(first[o] for o in options)}"
+            )
+        return name
+
+    return resolve
+
+
 def make_command() -> click.Command:
     """The click command for ``meshrun [OPTIONS] SCRIPT [ARGS]...``.
 
     Its callback returns ``ctx`` untouched, so a caller can use ``make_context`` and read
     ``ctx.params`` and ``ctx.get_parameter_source(name)``. Every option value stays a string
-    (flags a bool): `meshrun.launcher.build` parses them, the same way for every source.
+    (flags a bool): `meshrun.launcher.build` parses them, the same way for every source. A long
+    option may be given by an unambiguous prefix, as torchrun's argparse allows
+    (`prefix_resolver`).
     """
     params: list[click.Parameter] = []
     for spec in OPTIONS:
@@ -279,15 +329,19 @@ def make_command() -> click.Command:
         click.Argument(["script"], required=False, type=click.UNPROCESSED),
         click.Argument(["args"], nargs=-1, type=click.UNPROCESSED),
     ]
+    resolve: list[Callable[[str], str]] = []  # set below, once --version exists
+    help_names = ("-h", "--help")
     command = _Command(
         "meshrun",
         params=params,
         help=HELP,
         context_settings={
             "allow_interspersed_args": False,
-            "help_option_names": ["-h", "--help"],
+            "help_option_names": list(help_names),
             "max_content_width": 100,
+            "token_normalize_func": lambda name: resolve[0](name),
         },
     )
     click.version_option(meshrun.__version__, "--version", prog_name="meshrun")(command)
+    resolve.append(prefix_resolver(command.params, help_names))
     return command

@@ -187,6 +187,31 @@ def parse_choice(value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+LOGS_SPECS_GROUP = "torchrun.logs_specs"
+
+
+def parse_logs_specs(value: str) -> str:
+    """``--logs-specs NAME``: a name of torchrun's ``torchrun.logs_specs`` entry-point group
+    (torch registers ``default``), as torchrun's ``_get_logs_specs_class`` finds it; kept, with
+    no effect (meshrun's log layout is fixed). The group is read from the installed packages'
+    metadata (``importlib.metadata``), not by importing torch.
+
+    Raises:
+        ValueProblem: no entry point of that name (torchrun raises ValueError there); the
+            message names the installed ones.
+    """
+    from importlib import metadata
+
+    known = sorted({ep.name for ep in metadata.entry_points().select(group=LOGS_SPECS_GROUP)})
+    if value not in known:
+        installed = ", ".join(known) if known else "none is installed"
+        raise ValueProblem(
+            f"no {LOGS_SPECS_GROUP} entry point of that name (installed: {installed})",
+            "give one of them, or leave the option out: it has no effect in meshrun",
+        )
+    return value
+
+
 def parse_flag_env(value: str) -> bool:
     """A ``PET_*`` value for a boolean flag, read as torchrun does: ``bool(int(value))``."""
     try:

@@ -59,6 +59,8 @@ def test_tcp_init_method_on_the_given_master_port(launch, launcher):
         assert (r["MASTER_ADDR"], r["MASTER_PORT"]) == ("localhost", str(port)), r
         assert r["TORCHELASTIC_RUN_ID"] == "none", r
         assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True", r
+        # torchrun sets it in its own environment, so its workers inherit it
+        assert r["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT", r
 
 
 def test_pet_master_port_and_default_master_addr(launch):

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 BAD_INPUTS = {
     "no arguments": [],
     "unknown flag": ["--bogus", "train.py"],
-    "misspelt flag": ["--nnode", "2", "train.py"],
+    "misspelt flag": ["--nnodse", "2", "train.py"],  # --nnode is a prefix: --nnodes
+    "ambiguous prefix": ["--master", "h", "train.py"],
+    "unknown logs-specs": ["--logs-specs", "nosuch", "train.py"],
     "flag without value": ["--nnodes"],
     "value for a flag": ["--standalone=1", "train.py"],
     "nnodes 0": ["--nnodes", "0", "train.py"],
