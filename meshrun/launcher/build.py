@@ -104,8 +104,6 @@ def build_config_and_notes(
     rdzv_backend = get("rdzv_backend", v.parse_rdzv_backend)
     if note := v.backend_note(str(raw["rdzv_backend"].value)):
         notes.append(note)
-    rdzv_conf, conf_notes = get("rdzv_conf", v.parse_rdzv_conf)
-    notes += conf_notes
     master_port = (
         get("master_port", lambda s: v.parse_int(s, 0, 65535)) if given("master_port") else None
     )
@@ -123,9 +121,6 @@ def build_config_and_notes(
         rdzv_endpoint = f"{slurm.first_host}:{slurm.port}"
         if rdzv_id == "none":
             rdzv_id = f"slurm-{slurm.job_id}"
-        # node 0 of the step hosts; a port taken by another job is an error there, not a store
-        # to join (the tasks of a job array share nodes: `meshrun.launcher.slurm`)
-        rdzv_conf.setdefault("is_host", "true" if slurm.node_rank == 0 else "false")
         notes.append(slurm.note())
 
     standalone = flag("standalone") or (
@@ -139,6 +134,15 @@ def build_config_and_notes(
             )
         rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
         master_port = None
+    # read as torch's backend of that name would (timeout=); etcd-v2 is etcd here, not there
+    given_backend = str(raw["rdzv_backend"].value).strip().lower()
+    torch_backend = "etcd-v2" if rdzv_backend == "etcd" and given_backend == "etcd-v2" else rdzv_backend
+    rdzv_conf, conf_notes = get("rdzv_conf", lambda s: v.parse_rdzv_conf(s, torch_backend))
+    notes += conf_notes
+    if slurm is not None and slurm.num_nodes > 1:
+        # node 0 of the step hosts; a port taken by another job is an error there, not a store
+        # to join (the tasks of a job array share nodes: `meshrun.launcher.slurm`)
+        rdzv_conf.setdefault("is_host", "true" if slurm.node_rank == 0 else "false")
     if max_nodes > 1 and rdzv_backend in ("c10d", "etcd") and _port(rdzv_endpoint) == "0":
         raise ConfigError(
             f"{raw['rdzv_endpoint'].where}: port 0 for a job of up to {max_nodes} nodes; the "

@@ -92,8 +92,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
          help="Job id: the nodes of one job give the same id."),
     _opt("rdzv_conf", group=RDZV, default="", metavar="K=V,...",
          help="Rendezvous settings, e.g. join_timeout=600,last_call_timeout=30. "
-              "timeout= is read as join_timeout=. bind_all=true: the stores this node hosts "
-              "listen on every interface (default: the endpoint's or advertised address only). "
+              "timeout= is read as torch's backend reads it (etcd, static: join_timeout; "
+              "c10d: ignored), with a note. bind_all=true: the stores this node hosts listen "
+              "on every interface (default: the endpoint's or advertised address only). "
               "secret_file=PATH: a shared secret sealing every rendezvous value. "
               "workers_port=N: the workers' store on a fixed port. All keys: docs/rendezvous.md."),
     _opt("master_addr", group=RDZV, default="127.0.0.1", metavar="HOST",

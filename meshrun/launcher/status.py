@@ -106,12 +106,13 @@ def parse_store_options(backend: str, conf_text: str) -> tuple[str, dict]:
     Raises:
         ConfigError: either is malformed (one line naming the option).
     """
+    given = backend.strip().lower()
     try:
         backend = parse_rdzv_backend(backend)
     except ValueProblem as e:
         raise e.at(f"--rdzv-backend {backend}") from None
     try:
-        conf, notes = parse_rdzv_conf(conf_text)
+        conf, notes = parse_rdzv_conf(conf_text, given if given == "etcd-v2" else backend)
     except ValueProblem as e:
         raise e.at(f"--rdzv-conf {conf_text}") from None
     for note in notes:

@@ -248,14 +248,17 @@ def backend_note(value: str) -> str | None:
 _SECRET_KEY = re.compile("(?i)" + "|".join(keys.SECRET_WORDS))
 
 
-def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
+def parse_rdzv_conf(value: str, backend: str = "static") -> tuple[dict[str, str], list[str]]:
     """``"k=v,k2=v2"`` -> ``({"k": "v", "k2": "v2"}, notes)``, values kept as strings.
 
     As torch's ``_parse_rendezvous_config``: keys and values are stripped, an entry without
-    ``=``, an empty key or an empty value is a problem. ``timeout`` is torch's older name for
-    ``join_timeout``: it is stored as ``join_timeout`` and a note says so (never dropped
-    silently); giving both is a problem. Duration keys (``join_timeout``, ``read_timeout``,
-    ...) must be numbers of seconds > 0. Returns the dict and the notes to print.
+    ``=``, an empty key or an empty value is a problem. ``timeout`` is read as torch's
+    ``backend`` (the one that runs the job, by torch's name: ``static``, ``c10d``, ``etcd``,
+    ``etcd-v2``; ``etcd-v3`` is ``etcd``) reads it (`meshrun.rendezvous.keys`): as
+    ``join_timeout`` on etcd and static (beside ``join_timeout``, ``timeout`` wins, as those
+    backends read only it), not at all on c10d and etcd-v2; one note says which (never dropped
+    silently). Duration keys (``join_timeout``, ``read_timeout``, ``timeout``, ...) must be
+    numbers of seconds > 0. Returns the dict and the notes to print.
     """
     fix = "give key=value pairs separated by commas, e.g. join_timeout=60,read_timeout=10"
     conf: dict[str, str] = {}
@@ -282,15 +285,7 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
         conf[key] = val
     for alias in keys.backend_dependent_aliases():  # timeout: read first, the value named
         if alias.name in conf:
-            name = alias.alias_of
-            if name in conf:
-                raise ValueProblem(
-                    f"{alias.name} is another name for {name}, and both are given",
-                    f"give only {name}",
-                )
-            conf[name] = conf.pop(alias.name)
-            notes.append(f"note: --rdzv-conf {alias.name}={conf[name]} is read as "
-                         f"{name}={conf[name]}")  # fmt: skip
+            notes.append(_read_per_backend(alias, conf, backend))
     _known_keys_only(conf, notes)
     for key in keys.durations():  # checked here so the agent need not re-check them
         if key in conf:
@@ -304,12 +299,35 @@ def parse_rdzv_conf(value: str) -> tuple[dict[str, str], list[str]]:
     return conf, notes
 
 
+def _read_per_backend(alias: keys.RdzvKey, conf: dict[str, str], backend: str) -> str:
+    """Read ``alias`` (``timeout``, in ``conf``) as torch's ``backend`` does, in place: under
+    the meshrun key it is read as there, or dropped where that backend does not read it.
+    Returns the one note that says which meaning was taken."""
+    text = conf.pop(alias.name)
+    try:
+        parse_seconds(text)
+    except ValueProblem:
+        raise ValueProblem(f"{alias.name}={text} is not a number of seconds > 0",
+                           f"give e.g. {alias.name}=60") from None  # fmt: skip
+    torch_name = "etcd" if backend == "etcd-v3" else backend
+    target, meaning = alias.reading(torch_name)
+    if target is None:
+        return (f"note: --rdzv-conf {alias.name}={text} ignored: torch's {torch_name} backend "
+                "does not read it, nor does meshrun there (the join's deadline is "
+                "join_timeout)")  # fmt: skip
+    beside = conf.get(target)
+    conf[target] = text
+    unused = f"; {target}={beside}, which it does not read, is not used" if beside not in (
+        None, text) else ""  # fmt: skip
+    return (f"note: --rdzv-conf {alias.name}={text} is read as {target}={text}, as torch's "
+            f"{torch_name} backend reads it: {meaning}{unused}")  # fmt: skip
+
+
 def _known_keys_only(conf: dict[str, str], notes: list[str]) -> None:
     """Read torch's names for meshrun's keys, drop the keys meshrun has no use for (with a
     note each: torch ignores keys it does not read, so torchrun runs with them, and so does
     meshrun), and refuse a key within two edits of a known one (a typo: ``join_timout``).
     Which key is which: `meshrun.rendezvous.keys`."""
-    targets = keys.typo_targets()
     for key in list(conf):
         row = keys.lookup(key)
         if row is not None and row.origin is Origin.MESHRUN:
@@ -325,23 +343,12 @@ def _known_keys_only(conf: dict[str, str], notes: list[str]) -> None:
             del conf[key]
             notes.append(f"note: --rdzv-conf {key} ignored ({row.note})")
         else:
-            near = sorted(k for k in targets
-                          if _edits(key, k) <= (1 if len(k) <= 5 else 2))  # fmt: skip
+            near = keys.typo_of(key)  # within two edits, swaps included, any length
             if near:
-                raise ValueProblem(f"unknown key {key!r}", f"did you mean {near[0]}?")
+                raise ValueProblem(f"unknown key {key!r}", f"did you mean {near}?")
             del conf[key]
             notes.append(f"warning: --rdzv-conf {key} is not a key meshrun or torch reads; "
                          "ignored")  # fmt: skip
-
-
-def _edits(a: str, b: str) -> int:
-    """Levenshtein distance (insertions, deletions, substitutions) of two short strings."""
-    row = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, cb in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
-    return row[-1]
 
 
 # -- output ---------------------------------------------------------------------------------

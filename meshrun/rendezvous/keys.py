@@ -26,8 +26,9 @@ Unknown keys, and who sees what. There are two doors, with one rule each:
   ``meshrun status`` and ``meshrun stacks``) goes through the launcher's ``parse_rdzv_conf``.
   torch ignores keys it does not read and the Kubeflow training operator passes a job's
   ``rdzvConf`` through, so a job torchrun runs must run here too: a key that is in no row is
-  dropped with a warning line, unless it is within two edits (one, for a name of five letters
-  or fewer) of a meshrun key or an alias (`typo_targets`): then it is a typo
+  dropped with a warning line, unless it is within two edits of a key of the table, whatever
+  the key's length (`typo_of`: insertions, deletions, substitutions and swaps of two
+  neighbouring letters, so ``kye`` and ``uesr`` are one edit each): then it is a typo
   (``jion_timeout``), an error naming the key meant (exit 2). What comes out holds meshrun
   keys only, aliases resolved.
 - Program input: `settings_from_conf` takes that output (the agent, ``meshrun status``) or a
@@ -37,9 +38,14 @@ Unknown keys, and who sees what. There are two doors, with one rule each:
   ``secret=`` (the one `RdzvKey.refused` row) passes the launcher as a meshrun key and is
   refused here (and by auth's ``load_secret``) with one line naming the fix (exit 2).
 
-``timeout`` is torch's older key, which torch's backends read differently (its row says how):
-meshrun reads it as ``join_timeout`` on every backend, before the other keys, with a note
-naming the value (`backend_dependent_aliases`).
+``timeout`` is torch's older key, which torch's backends read differently (its row's
+``torch_meanings``), and meshrun reads it as the backend that runs the job would
+(``read_as``, before the other keys, with one note naming the value and the meaning taken:
+`backend_dependent_aliases`): on ``etcd`` (torch's legacy etcd rendezvous) it is the whole
+rendezvous's deadline, on ``static`` the store's timeout, which bounds how long the nodes wait
+for each other: ``join_timeout`` on both (which those torch backends do not read, so given
+beside it, ``timeout`` wins); ``c10d`` and ``etcd-v2`` (torch's dynamic rendezvous) do not read
+it, and neither does meshrun there.
 """
 
 from __future__ import annotations
@@ -88,7 +94,8 @@ class RdzvKey:
     `Origin.TORCH_ONLY` key is ignored (the launcher's note). ``refused``: a key known only to
     be refused (``secret=``: `meshrun.rendezvous.api.SECRET_AS_VALUE`). ``torch_backends``:
     the torch backends that read this name; ``torch_meanings``: (backend, meaning) where they
-    read it differently from each other or from meshrun.
+    read it differently from each other or from meshrun. ``read_as``: for a backend-dependent
+    alias, (torch backend, the meshrun key it is read as there, or None: not read there).
     """
 
     name: str
@@ -102,6 +109,17 @@ class RdzvKey:
     refused: bool = False
     torch_backends: tuple[str, ...] = ()
     torch_meanings: tuple[tuple[str, str], ...] = ()
+    read_as: tuple[tuple[str, str | None], ...] = ()
+
+    def reading(self, backend: str) -> tuple[str | None, str]:
+        """``(meshrun key, torch's meaning)`` of this backend-dependent alias on torch's
+        ``backend`` (``etcd-v3`` is ``etcd``); the key is None where it is not read.
+
+        Raises:
+            KeyError: a backend the row does not name.
+        """
+        name = "etcd" if backend == "etcd-v3" else backend
+        return dict(self.read_as)[name], dict(self.torch_meanings)[name]
 
 
 _DYNAMIC = ("c10d", "etcd-v2")  # torch's dynamic rendezvous: the backends that share its keys
@@ -186,14 +204,19 @@ KEYS: tuple[RdzvKey, ...] = (
             torch_meanings=(("c10d", "tcp (a TCPStore) or file (a FileStore)"),)),
     # -- torch's names for meshrun's keys ---------------------------------------------------
     RdzvKey("timeout", Kind.SECONDS,
-            "read as join_timeout on every backend", origin=Origin.TORCH_ALIAS,
+            "read as the backend that runs the job reads it: join_timeout on etcd and static "
+            "(beside join_timeout, timeout wins: those torch backends read only timeout), "
+            "not read on c10d and etcd-v2", origin=Origin.TORCH_ALIAS,
             alias_of="join_timeout", torch_backends=("etcd", "static"),
             torch_meanings=(
                 ("etcd", "the whole rendezvous's deadline (default 600 s)"),
-                ("static", "the store's timeout: connecting and every wait (default 600 s)"),
+                ("static", "the store's timeout: connecting and every wait, so how long the "
+                           "nodes wait for each other (default 600 s)"),
                 ("c10d", "not read (torch's launcher sets it to 900 s for every backend)"),
                 ("etcd-v2", "not read (torch's launcher sets it to 900 s for every backend)"),
-            )),
+            ),
+            read_as=(("etcd", "join_timeout"), ("static", "join_timeout"), ("c10d", None),
+                     ("etcd-v2", None))),
     RdzvKey("ssl_cert", Kind.PATH, "read as cert", origin=Origin.TORCH_ALIAS,
             alias_of="cert", torch_backends=("etcd-v2",)),
     RdzvKey("ssl_cert_key", Kind.PATH, "read as key", origin=Origin.TORCH_ALIAS,
@@ -265,16 +288,41 @@ def is_secret_name(name: str) -> bool:
 
 def backend_dependent_aliases() -> tuple[RdzvKey, ...]:
     """The aliases torch's backends read differently (``timeout``): the launcher reads them
-    before the other keys, and its note names the value, since which number meshrun took
-    for which of its keys is not obvious from torch's meaning."""
-    return tuple(k for k in aliases() if k.torch_meanings)
+    before the other keys, as the job's backend does (`RdzvKey.reading`), and its note names
+    the value and the meaning taken, since which number meshrun took for which of its keys is
+    not obvious from torch's meaning."""
+    return tuple(k for k in aliases() if k.read_as)
+
+
+#: An unknown key this many edits or fewer from a known one is a typo (`typo_of`).
+TYPO_EDITS = 2
 
 
 def typo_targets() -> frozenset[str]:
-    """The names an unknown key within two edits of is taken as a typo of: the meshrun keys
-    and the aliases the launcher reads with the unknown keys (a backend-dependent alias is
-    read before them, and a key near it is not taken as a typo of it)."""
-    early = set(backend_dependent_aliases())
-    return frozenset(k.name for k in KEYS
-                     if k.origin is Origin.MESHRUN
-                     or (k.origin is Origin.TORCH_ALIAS and k not in early))  # fmt: skip
+    """The names an unknown key within `TYPO_EDITS` edits of is taken as a typo of: every key
+    of the table (meshrun's, torch's aliases, torch's keys meshrun drops)."""
+    return frozenset(k.name for k in KEYS)
+
+
+def typo_of(name: str) -> str | None:
+    """The known key (`typo_targets`) that ``name``, an unknown key, is a typo of: the nearest
+    within `TYPO_EDITS` edits whatever the key's length, the first in sorted order on a tie;
+    None when none is that near. Edits are insertions, deletions, substitutions and swaps of
+    two neighbouring letters (the optimal string alignment distance, Damerau's), so ``kye``,
+    ``uesr`` and ``cetr`` are one edit from ``key``, ``user`` and ``cert``."""
+    near = sorted((edits(name, k), k) for k in typo_targets())
+    return near[0][1] if near and near[0][0] <= TYPO_EDITS else None
+
+
+def edits(a: str, b: str) -> int:
+    """The optimal string alignment distance of two short strings: the fewest insertions,
+    deletions, substitutions and transpositions of two adjacent characters (each counted
+    once, no substring edited twice) that turn ``a`` into ``b`` (Damerau, 1964)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))  # fmt: skip
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]

@@ -241,11 +241,27 @@ def test_rdzv_conf_keys_torch_reads_are_honoured_or_noted(workdir, capsys):
             cfg("--rdzv-conf", typo, "train.py")
 
 
-def test_rdzv_conf_timeout_is_join_timeout(workdir, capsys):
+def test_rdzv_conf_timeout_as_the_jobs_backend_reads_it(workdir, capsys):
+    """timeout= is read by the backend that runs the job: static (torchrun's default), etcd;
+    a one-node job without --master-port runs on c10d, as torchrun's does, which ignores it."""
     c = cfg("--nnodes", "2", "--rdzv-conf", "timeout=60,read_timeout=5", "train.py")
     assert c.rdzv_conf == {"join_timeout": "60", "read_timeout": "5"}
     err = capsys.readouterr().err.splitlines()
-    assert err == ["note: --rdzv-conf timeout=60 is read as join_timeout=60"]
+    assert err == ["note: --rdzv-conf timeout=60 is read as join_timeout=60, as torch's static "
+                   "backend reads it: the store's timeout: connecting and every wait, so how "
+                   "long the nodes wait for each other (default 600 s)"]  # fmt: skip
+    conf = "join_timeout=5,last_call_timeout=1,timeout=5"  # torch's launcher test's
+    c = cfg("--rdzv-conf", conf, "train.py")  # standalone: c10d
+    assert c.rdzv_backend == "c10d" and c.rdzv_conf == {"join_timeout": "5", "last_call_timeout": "1"}
+    assert "timeout=5 ignored: torch's c10d backend" in capsys.readouterr().err
+    c = cfg("--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:2379",
+            "--rdzv-conf", "timeout=7", "train.py")  # fmt: skip
+    assert c.rdzv_backend == "etcd" and c.rdzv_conf == {}
+    assert "timeout=7 ignored: torch's etcd-v2 backend" in capsys.readouterr().err
+    c = cfg("--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379",
+            "--rdzv-conf", "timeout=7", "train.py")  # fmt: skip
+    assert c.rdzv_conf == {"join_timeout": "7"}
+    assert "as torch's etcd backend reads it: the whole rendezvous's deadline" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -255,7 +271,8 @@ def test_rdzv_conf_timeout_is_join_timeout(workdir, capsys):
         ("=b", "empty key"),
         ("a=", "empty value"),
         ("a=1,a=2", "given twice"),
-        ("timeout=1,join_timeout=2", "give only join_timeout"),
+        ("timeout=soon,join_timeout=2", "timeout=soon is not a number"),
+        ("kye=k.pem", "did you mean key"),
         ("join_timeout=soon", "join_timeout=soon is not a number"),
     ],
 )

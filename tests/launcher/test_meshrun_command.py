@@ -38,7 +38,7 @@ BAD_INPUTS = {
     "invalid toml": ["--config", "broken.toml", "train.py"],
     "unknown config key": ["--config", "unknown_key.toml", "train.py"],
     "malformed rdzv-conf": ["--rdzv-conf", "join_timeout", "train.py"],
-    "rdzv-conf timeout and join_timeout": ["--rdzv-conf", "timeout=1,join_timeout=1", "train.py"],
+    "rdzv-conf key with two letters swapped": ["--rdzv-conf", "uesr=me", "train.py"],
     "unknown backend": ["--rdzv-backend", "zk", "train.py"],
     "bad redirects": ["-r", "9", "train.py"],
     "bad signal": ["--signals-to-handle", "SIGNOPE", "train.py"],

@@ -96,7 +96,7 @@ def test_every_row_passes_the_launcher_as_the_table_says():
 @pytest.mark.parametrize("row", [k for k in KEYS if k.origin is not Origin.TORCH_ONLY],
                          ids=lambda k: k.name)  # fmt: skip
 def test_an_alias_beside_its_key_or_a_typo_is_refused_by_the_launcher(row):
-    if row.alias_of is not None:
+    if row.alias_of is not None and row not in keys.backend_dependent_aliases():
         with pytest.raises(ValueProblem) as info:
             parse_rdzv_conf(f"{row.name}=1,{row.alias_of}=1")
         assert info.value.fix == f"give only {row.alias_of}"
@@ -112,9 +112,10 @@ def test_an_alias_beside_its_key_or_a_typo_is_refused_by_the_launcher(row):
 def test_every_duration_key_is_a_duration_to_the_launcher(name: str):
     meant = keys.resolve(name)
     assert meant in keys.durations()
-    assert parse_rdzv_conf(f"{name}=2.5")[0] == {meant: "2.5"}
+    assert parse_rdzv_conf(f"{name}=2.5")[0] == {meant: "2.5"}  # timeout: on static
+    named = name if keys.lookup(name) in keys.backend_dependent_aliases() else meant
     for bad in ("soon", "0", "-1", "nan", f"{MAX_SECONDS * 10:g}"):
-        with pytest.raises(ValueProblem, match=re.escape(f"{meant}={bad} is not a number")):
+        with pytest.raises(ValueProblem, match=re.escape(f"{named}={bad} is not a number")):
             parse_rdzv_conf(f"{name}={bad}")
 
 
@@ -143,12 +144,85 @@ def test_a_secret_key_never_reaches_the_launchers_error_line(name, tmp_path, mon
 
 
 def test_timeout_is_the_backend_dependent_alias():
-    """torch's backends read ``timeout`` differently; meshrun reads it as join_timeout on every
-    backend, first, with the value named (issue 51 is about changing that)."""
+    """torch's backends read ``timeout`` differently (the row says how, for each of them), and
+    the launcher reads it as the job's backend does."""
     (row,) = keys.backend_dependent_aliases()
     assert row.name == "timeout" and row.alias_of == "join_timeout"
     assert {b for b, _ in row.torch_meanings} == set(keys.TORCH_BACKENDS)
-    assert "timeout" not in keys.typo_targets()
-    conf, notes = parse_rdzv_conf("timeout=60")
-    assert conf == {"join_timeout": "60"}
-    assert notes == ["note: --rdzv-conf timeout=60 is read as join_timeout=60"]
+    assert {b for b, _ in row.read_as} == set(keys.TORCH_BACKENDS)
+    assert row.reading("etcd-v3") == row.reading("etcd")
+
+
+# torch 2.13's reading of timeout= per backend (etcd_rendezvous.py create_rdzv_handler:
+# timeout=get_as_int("timeout"), join_timeout unread; static_tcp_rendezvous.py: the TCPStore's
+# timeout; dynamic_rendezvous.py, c10d and etcd-v2: join/last_call/close/heartbeat only)
+TIMEOUT_READINGS = {
+    "etcd": ({"join_timeout": "5", "last_call_timeout": "1"}, "the whole rendezvous's deadline"),
+    "etcd-v3": ({"join_timeout": "5", "last_call_timeout": "1"}, "the whole rendezvous's deadline"),
+    "static": ({"join_timeout": "5", "last_call_timeout": "1"}, "the store's timeout"),
+    "c10d": ({"join_timeout": "5", "last_call_timeout": "1"}, None),
+    "etcd-v2": ({"join_timeout": "5", "last_call_timeout": "1"}, None),
+}
+
+
+@pytest.mark.parametrize("backend", list(TIMEOUT_READINGS))
+def test_timeout_beside_join_timeout_as_each_torch_backend_reads_it(backend):
+    """torch's own launcher test gives join_timeout=5,last_call_timeout=1,timeout=5: accepted on
+    every backend, with one note saying which meaning was taken."""
+    conf, notes = parse_rdzv_conf("join_timeout=5,last_call_timeout=1,timeout=5", backend)
+    expected, meaning = TIMEOUT_READINGS[backend]
+    assert conf == expected
+    assert len(notes) == 1, notes
+    torch_name = "etcd" if backend == "etcd-v3" else backend
+    if meaning is None:
+        assert notes[0].startswith(f"note: --rdzv-conf timeout=5 ignored: torch's {torch_name} "
+                                   "backend does not read it"), notes  # fmt: skip
+    else:
+        assert notes[0].startswith(f"note: --rdzv-conf timeout=5 is read as join_timeout=5, as "
+                                   f"torch's {torch_name} backend reads it: {meaning}"), notes
+    _settings(conf)
+
+
+def test_timeout_wins_over_join_timeout_where_torch_reads_only_timeout():
+    conf, notes = parse_rdzv_conf("join_timeout=9,timeout=5", "etcd")
+    assert conf == {"join_timeout": "5"}
+    assert notes[0].endswith("; join_timeout=9, which it does not read, is not used"), notes
+    conf, notes = parse_rdzv_conf("join_timeout=9,timeout=5", "c10d")
+    assert conf == {"join_timeout": "9"} and "ignored" in notes[0]
+    assert parse_rdzv_conf("timeout=5", "static")[0] == {"join_timeout": "5"}
+    with pytest.raises(ValueProblem, match="timeout=soon is not a number"):
+        parse_rdzv_conf("timeout=soon", "c10d")  # checked where it is not read too
+
+
+# (typo, the key meant): swaps, short keys, two edits of any key
+TYPOS = {"kye": "key", "uesr": "user", "cetr": "cert", "usr": "user", "ky": "key",
+         "jion_timeout": "join_timeout", "timout": "timeout", "tiemout": "timeout",
+         "raed_timoeut": "read_timeout", "cacret": "cacert", "protcool": "protocol",
+         "bind_al": "bind_all", "is_hots": "is_host", "scret_fiel": "secret_file"}  # fmt: skip
+
+
+@pytest.mark.parametrize("typo", list(TYPOS))
+def test_a_typo_within_two_edits_is_an_error_whatever_the_keys_length(typo):
+    assert keys.lookup(typo) is None
+    with pytest.raises(ValueProblem) as info:
+        parse_rdzv_conf(f"{typo}=1")
+    assert info.value.fix == f"did you mean {TYPOS[typo]}?"
+
+
+@pytest.mark.parametrize("name", sorted(keys.typo_targets()))
+def test_every_adjacent_swap_of_a_known_key_is_a_typo_of_it(name):
+    for i in range(len(name) - 1):
+        swapped = name[:i] + name[i + 1] + name[i] + name[i + 2:]
+        if swapped == name or keys.lookup(swapped) is not None:
+            continue
+        assert keys.edits(swapped, name) == 1
+        assert keys.typo_of(swapped) is not None, swapped
+
+
+def test_three_edits_from_every_key_is_not_a_typo():
+    assert keys.edits("kye", "key") == 1 and keys.edits("abc", "ca") == 3  # OSA, not Damerau's unrestricted
+    for far in ("zzz", "nproc", "rendezvous_port"):
+        assert keys.typo_of(far) is None, far
+        conf, notes = parse_rdzv_conf(f"{far}=1")
+        assert conf == {} and notes == [f"warning: --rdzv-conf {far} is not a key meshrun or "
+                                        "torch reads; ignored"]  # fmt: skip
