@@ -87,7 +87,10 @@ def arm_stack_dump(environ=None) -> bool:
         number = int(signum)
         previous = signal.getsignal(number)
         chain = previous not in (signal.SIG_DFL, signal.SIG_IGN, None)
-        stack_file = open(path, "a")  # noqa: SIM115 - stays open: faulthandler writes to its fd
+        # 0600 like every file in the log directory (stacks show a script's paths and frames);
+        # stays open: faulthandler writes to its fd
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        stack_file = os.fdopen(fd, "a")
         try:
             faulthandler.register(number, file=stack_file, all_threads=True, chain=chain)
         except BaseException:
