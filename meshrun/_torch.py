@@ -281,3 +281,56 @@ def attention_ops() -> tuple:
              "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
     return tuple(getattr(aten, n, None) for n in names)
+
+
+# -- torch.distributed.rendezvous: the agent's store flag -----------------------------------------
+
+
+def agent_store_at_master_port_only(rendezvous) -> bool:
+    """Make ``TORCHELASTIC_USE_AGENT_STORE=True`` mean "the agent hosts a store at
+    ``MASTER_PORT``" only, in ``rendezvous`` (the module ``torch.distributed.rendezvous``, just
+    executed); True when installed, False when it already was.
+
+    torch 2.13's ``_create_c10d_store(hostname, port, rank, world_size, timeout, use_libuv)``
+    gives every rank a client-only TCPStore whenever the flag is set
+    (``_torchelastic_use_agent_store()``), whatever the port: a script's own
+    ``init_method="tcp://host:P2"`` on a port other than MASTER_PORT then has no server, and every
+    rank waits out the store timeout (30 minutes on gloo). As upstream's fix does (pytorch PR
+    192113, not in 2.13; TCPStore's C++ constructor already honours the flag only where the port
+    is MASTER_PORT), the flag holds here only while a store is made for the port in
+    ``MASTER_PORT`` as the environment says it at that moment (in-place recovery moves it); for
+    another port rank 0 hosts, as without an agent. ``env://`` is unchanged.
+
+    Relies on: ``_create_c10d_store`` taking the port second and reading the flag through the
+    module-level ``_torchelastic_use_agent_store()`` when called (torch 2.13.0, run).
+    """
+    import os
+    import threading
+
+    create, flag = rendezvous._create_c10d_store, rendezvous._torchelastic_use_agent_store
+    if getattr(create, "_meshrun_agent_store_wrapper", False):
+        return False
+    making = threading.local()  # the port of the store being made on this thread
+
+    def use_agent_store() -> bool:
+        port = getattr(making, "port", None)
+        if port is not None:
+            try:
+                if int(port) != int(os.environ.get("MASTER_PORT", "")):
+                    return False
+            except ValueError:
+                return False
+        return flag()
+
+    def create_c10d_store(hostname, port, *args, **kwargs):
+        making.port = port
+        try:
+            return create(hostname, port, *args, **kwargs)
+        finally:
+            making.port = None
+
+    create_c10d_store._meshrun_agent_store_wrapper = True
+    create_c10d_store.__doc__ = create.__doc__
+    rendezvous._torchelastic_use_agent_store = use_agent_store
+    rendezvous._create_c10d_store = create_c10d_store
+    return True

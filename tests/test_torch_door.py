@@ -141,3 +141,44 @@ def test_process_groups_flight_recorder_and_mesh(tmp_path):
     first = out["frames"][0]
     assert first[0][2] == "all_reduce" and first[-1][0].endswith("door.py"), first
     assert out["released"] and out["nccl_dump"]
+
+
+@pytest.mark.timeout(60)
+def test_agent_store_flag_holds_at_master_port_only():
+    """With TORCHELASTIC_USE_AGENT_STORE=True, torch 2.13 makes every store a client; after
+    `agent_store_at_master_port_only`, a store on another port is hosted by rank 0 (it answers
+    at once, one process), and one on MASTER_PORT is still a client (nobody listens there: it
+    fails within its timeout). In a fresh interpreter: the patch changes the module."""
+    code = textwrap.dedent("""
+        import os, socket, sys, time
+        from datetime import timedelta
+        import torch.distributed.rendezvous
+        from meshrun import _torch
+
+        rendezvous = sys.modules["torch.distributed.rendezvous"]  # the name is also a function
+
+        def free_port():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT=str(free_port()))
+        assert _torch.agent_store_at_master_port_only(rendezvous) is True
+        assert _torch.agent_store_at_master_port_only(rendezvous) is False  # once
+        own = rendezvous._create_c10d_store("127.0.0.1", free_port(), 0, 1, timedelta(seconds=20))
+        own.set("k", "v")
+        assert own.get("k") == b"v"
+        assert rendezvous._torchelastic_use_agent_store()  # outside a store's making: the flag
+        t0 = time.monotonic()
+        try:
+            rendezvous._create_c10d_store("127.0.0.1", int(os.environ["MASTER_PORT"]), 0, 1,
+                                          timedelta(seconds=2))
+        except Exception:
+            pass
+        else:
+            raise AssertionError("a store on MASTER_PORT was hosted, not a client of the agent's")
+        print("ok", round(time.monotonic() - t0, 1))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr

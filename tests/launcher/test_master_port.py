@@ -89,3 +89,20 @@ def test_master_port_in_use_is_one_line_and_exit_3(launch):
     assert code == 3, err
     lines = [line for line in err.splitlines() if "error" in line]
     assert len(lines) == 1 and f"port {port}" in lines[0] and "--master-port" in lines[0], err
+
+
+def test_own_tcp_group_on_another_port_does_not_hang(launch):
+    """Past torchrun 2.13: a script's own ``init_method="tcp://127.0.0.1:P2"`` on a port other
+    than MASTER_PORT (a standalone job: MASTER_PORT is one the OS picked) meets there, rank 0
+    hosting, as without a launcher. torch 2.13 makes every rank a client of P2 under the
+    agent-store flag, so torchrun waits out the store timeout there (30 s in this script);
+    meshrun's worker site honours the flag at MASTER_PORT only (upstream's fix, pytorch PR
+    192113). env:// keeps reaching the agent's store (tests/agent/test_launch.py)."""
+    port, out = launch.free_port(), launch.cwd / "records.jsonl"
+    code, _, err = _run(launch, LAUNCHERS["meshrun"], [
+        "--nproc-per-node", "2", SCRIPT, "127.0.0.1", str(port), str(out)])  # fmt: skip
+    assert code == 0, err
+    records = _records(out)
+    assert len(records) == 2 and {r["sum"] for r in records} == {2}, records
+    assert {r["MASTER_PORT"] for r in records} != {str(port)}
+    assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in records} == {"True"}

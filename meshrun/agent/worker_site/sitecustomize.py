@@ -8,7 +8,13 @@
    for every Python worker, whether or not the script uses ``meshrun.parallel``.
 3. Starts the collective record's thread (`meshrun.agent.collective_record.Recorder`, loaded the
    same way) when the agent asked for it (``MESHRUN_COLLECTIVE_RECORD``).
-4. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
+4. Has ``TORCHELASTIC_USE_AGENT_STORE`` honoured at MASTER_PORT only: once
+   ``torch.distributed.rendezvous`` is executed (an import hook, `_AgentStoreAtMasterPort`:
+   torch is not imported here), `meshrun._torch.agent_store_at_master_port_only` patches it, so
+   a script's own ``init_method="tcp://host:P2"`` on another port gets a store that rank 0
+   hosts instead of a client on every rank and a 30-minute wait (upstream's fix, pytorch PR
+   192113, is not in torch 2.13).
+5. Takes this folder off ``sys.path`` again and runs the ``sitecustomize`` the worker would
    have run without it (the next one on ``sys.path``), so the script sees the path and the
    start-up it would see under torchrun.
 
@@ -38,6 +44,48 @@ def _meshrun_load(name: str, path: str):
         return None
 
 
+class _AgentStoreAtMasterPort:
+    """A ``sys.meta_path`` finder for ``torch.distributed.rendezvous`` only: it finds the module
+    with the finders after it, and once the module has executed, hands it to
+    `meshrun._torch.agent_store_at_master_port_only` (loaded by path, as ``_meshrun_torch``).
+    It leaves ``sys.meta_path`` at its first use; every other import costs a name comparison."""
+
+    NAME = "torch.distributed.rendezvous"
+
+    def __init__(self, door_file: str):
+        self._door_file = door_file
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module, door_file = loader.exec_module, self._door_file
+
+        def exec_and_patch(module) -> None:
+            exec_module(module)
+            try:
+                door = sys.modules.get("_meshrun_torch") or _meshrun_load("_meshrun_torch",
+                                                                           door_file)
+                if door is not None:
+                    door.agent_store_at_master_port_only(module)
+            except Exception as e:  # the worker runs on with torch's own behaviour
+                print(f"meshrun: the agent store flag stays torch's ({type(e).__name__}: {e})",
+                      file=sys.stderr)
+
+        loader.exec_module = exec_and_patch  # this spec's own loader object
+        return spec
+
+
 def _meshrun_worker_site() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     agent_dir = os.path.dirname(here)
@@ -55,6 +103,9 @@ def _meshrun_worker_site() -> None:
                                os.path.join(agent_dir, "collective_record.py"))
         if record is not None:
             record.start_recorder_from_env()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        door_file = os.path.join(os.path.dirname(agent_dir), "_torch.py")
+        sys.meta_path.insert(0, _AgentStoreAtMasterPort(door_file))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
     if spec is None or spec.loader is None:
@@ -65,4 +116,4 @@ def _meshrun_worker_site() -> None:
 
 
 _meshrun_worker_site()
-del _meshrun_worker_site  # _meshrun_load stays: the worker site's functions call it
+del _meshrun_worker_site  # _meshrun_load stays: the worker site's functions call it (and the hook)
