@@ -279,11 +279,69 @@ def first_disagreement(
         found = _mismatch(name, records, sites)
         if found is not None:
             return found
+    return _waits(names, records, sites, died)
+
+
+def _waits(
+    names: list[str], records: dict[int, Record], sites: dict[int, str], died
+) -> Disagreement | None:
+    """The ranks the others wait for, following waits across groups.
+
+    A rank in call n of a group (not marked completed there, or waiting inside a collective by
+    its stack) waits for every member that has not issued call n: an edge of a wait-for graph
+    (a rank that died on its own waits for nobody). The likely cause is then whoever is waited
+    for and waits for nobody (the graph's sinks): a rank waiting in a pair group for a partner
+    stuck in its own code is a link of the chain, not its cause. With no sink every waiting
+    rank waits for another (the ranks made their calls in different orders across groups);
+    then the ranks on the smaller side of every group's split are named."""
+    waits: dict[int, set[int]] = {}
+    splits: list[tuple[str, set[int], set[int]]] = []  # group, ahead, behind
     for name in names:
-        found = _behind(name, records, sites, died)
-        if found is not None:
-            return found
-    return None
+        members = {r: rec for r, rec in records.items() if name in rec.groups}
+        if not members:
+            continue
+        group_ranks = next(iter(members.values())).groups[name].ranks
+        issued = {r: records[r].groups[name].issued if name in records[r].groups else 0
+                  for r in group_ranks if r in records}  # fmt: skip
+        ahead, behind = set(), set()
+        for r, n in issued.items():
+            g = records[r].groups.get(name)
+            if r in died or g is None or n <= 0 or not (g.done < n or r in sites):
+                continue
+            late = {m for m, k in issued.items() if k < n}
+            if late:
+                waits.setdefault(r, set()).update(late)
+                ahead.add(r)
+                behind |= late
+        if ahead:
+            splits.append((name, ahead, behind))
+    if not waits:
+        return None
+    waited = set().union(*waits.values())
+    sinks = sorted(m for m in waited if not waits.get(m))
+    if sinks:
+        for name in names:  # the line: a group where the ranks behind are sinks
+            found = _behind(name, records, sites, died)
+            if found is not None and set(found.culprits) <= set(sinks):
+                return Disagreement(found.line, tuple(sinks), behind=True, against=found.against)
+        found = next(filter(None, (_behind(n, records, sites, died) for n in names)), None)
+        return Disagreement(found.line if found else "", tuple(sinks), behind=True,
+                            against=found.against if found else "")  # fmt: skip
+    # every waiting rank waits for another: name the smaller side of every split they are in
+    smaller: dict[int, list[bool]] = {}
+    for _, ahead, behind in splits:
+        for side, other in ((ahead, behind), (behind, ahead)):
+            for r in side:
+                smaller.setdefault(r, []).append(len(side) < len(other))
+    odd = tuple(sorted(r for r, seen in smaller.items() if all(seen)))
+    parts = []
+    for name, ahead, behind in splits:
+        call = records[min(ahead)].call(name, records[min(ahead)].groups[name].issued)
+        what = _call_text(call) if call else "a call"
+        parts.append(f"{_ranks_word(sorted(ahead))} {'waits' if len(ahead) == 1 else 'wait'} "
+                     f"at {what} of group {name} for {_ranks_word(sorted(behind))}")  # fmt: skip
+    line = "; ".join(parts) + " (each waits for another: the ranks make their calls in different orders)"
+    return Disagreement(line, odd, against="")
 
 
 def _mismatch(name: str, records: dict[int, Record], sites: dict[int, str]) -> Disagreement | None:

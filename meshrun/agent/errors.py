@@ -329,7 +329,12 @@ def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
     """
     from meshrun.agent.stacks import classify, traceback_frames
 
+    from meshrun.agent.collectives import from_summary
+
     failures = placed(failures)
+    desync = sorted({f.global_rank for f in failures if f.source == "desync" and not f.stopped})
+    if desync:  # --desync-check compared every call as it came (the summaries keep the last few)
+        return Verdict(desync, Why("named by --desync-check", Rule.RECORD_MISMATCH))
     found = disagreement(failures)
     if found is not None and found.culprits:
         state = {f.global_rank: f.state for f in failures if f.state}
@@ -341,6 +346,14 @@ def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
             return Verdict(list(found.culprits), Why(
                 "behind the others in collectives issued: it never reached the call they wait in",
                 Rule.RECORD_BEHIND))
+        if not found.against:  # waits across groups in a circle
+            return Verdict(list(found.culprits), Why(
+                "calls in another order than the others': each waits for another",
+                Rule.RECORD_MISMATCH))
+        ops = {f.collective.split(" #")[0] for f in failures if f.global_rank in found.culprits}
+        if ops == {found.against}:  # the same op, other shapes or dtypes
+            return Verdict(list(found.culprits), Why(
+                f"in {found.against} with other arguments than the others'", Rule.RECORD_MISMATCH))
         return Verdict(list(found.culprits), Why(
             f"in a different collective from the others' {found.against}", Rule.RECORD_MISMATCH))
     places: dict[int, tuple[Whereabouts, int | None]] = {}
@@ -354,7 +367,26 @@ def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
         else:
             continue
         places.setdefault(f.global_rank, (where, f.collectives if f.collectives >= 0 else None))
-    return attribute(places)
+    verdict = attribute(places)
+    if verdict.why.rule is not Rule.OUTSIDE:
+        return verdict
+    # a running rank is what the others wait for only if it is behind one of them: with
+    # records that show it made every call they made (a call broken under them, say), the
+    # others wait for something else (another node, a call the record does not have)
+    records = {f.global_rank: r for f in failures if (r := from_summary(f.calls)) is not None}
+    waiting = [r for r, (w, _) in places.items() if w.state == Place.WAITING and r in records]
+    kept = [r for r in verdict.ranks if r not in records or not waiting
+            or any(_behind_of(records[r], records[w]) for w in waiting)]  # fmt: skip
+    if kept:
+        return Verdict(kept, verdict.why)
+    return Verdict([], Why("the ranks running here made every call the waiting ranks made: "
+                           "the culprit is elsewhere (another node?)", Rule.NONE))
+
+
+def _behind_of(mine, theirs) -> bool:
+    """Whether record ``mine`` issued fewer calls than ``theirs`` in a group both are in."""
+    return any(g.issued < theirs.groups[name].issued
+               for name, g in mine.groups.items() if name in theirs.groups)  # fmt: skip
 
 
 def disagreement(failures: Iterable[WorkerFailure]):
@@ -479,8 +511,11 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
                 f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {f.describe_exit()}"
                 f" at +{delta} ms{note}{log}"
             )
-    found = disagreement(failures)
-    if found is not None:
+    # under --desync-check its own line (the root cause's message) names the call; the
+    # published summaries keep only each rank's last calls, which may not hold that call
+    checked = any(f.source == "desync" for f in failures)
+    found = None if checked else disagreement(failures)
+    if found is not None and found.line:
         lines.append(f"Collectives: {found.line}")
     desync = desync_report(failures)
     if desync:
@@ -490,6 +525,10 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
         lines.extend(format_places(stopped, blamed, among=failures))
     elif blamed == [] and why and found is None and not desync:
         lines.append(f"Note: {why}")
+    if found is not None and not found.culprits and not blamed:
+        lines.append("Note: as many ranks on each side of the disagreement: the record cannot "
+                     "tell which side is wrong, so no rank is named the likely cause (the root "
+                     "cause above is only the first to fail)")
     lines.append(rule)
     return "\n".join(lines)
 

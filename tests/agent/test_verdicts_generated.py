@@ -175,3 +175,61 @@ def test_a_real_hang_names_its_planted_culprits(launch, framework, kind, n, bad,
     for r in waiting:  # placed by the record's pending call, wherever its Python frame was
         if kind != "own":
             assert re.search(rf"rank {r} \(host .*\): waiting in \w+ #\d+", report), report
+
+
+# --- shapes the generator does not draw (found by a breaker, 2026-12-08) -----------------------
+
+
+def _rank(r, groups, calls, state=Place.RUNNING, op="", stopped=True):
+    """One rank's record: ``groups`` {name: (ranks, issued, done)}, ``calls`` [(group, op)]
+    numbered per group from 1."""
+    seq: dict[str, int] = {}
+    rows = []
+    for g, o in calls:
+        seq[g] = seq.get(g, 0) + 1
+        rows.append([g, seq[g], o, "float[4]", ""])
+    raw = {"groups": {n: {"ranks": ranks, "issued": i, "done": d, "backend": "gloo"}
+                      for n, (ranks, i, d) in groups.items()}, "calls": rows}  # fmt: skip
+    return WorkerFailure(local_rank=r, global_rank=r, pid=100 + r, exitcode=124,
+                         timestamp_ms=1000 + r, source="stack", stopped=stopped, state=state,
+                         collective=op, at="t.py:1 in f", calls=summary(from_summary(raw)))  # fmt: skip
+
+
+def test_a_rank_waiting_for_its_stuck_partner_in_a_pair_group_is_not_the_cause():
+    """World all_reduce then a pair all_reduce each step; rank 3 stalls in its own code. Rank 2
+    waits in the pair group for rank 3, ranks 0-1 in the world group for ranks 2-3: only rank
+    3 is waited for and waits for nobody."""
+    step = [("0", "all_reduce"), ("p", "all_reduce")]
+    world = "0-3"
+    f = [
+        _rank(0, {"0": (world, 5, 4), "q": ("0-1", 4, 4)}, [("0", "all_reduce"), ("q", "all_reduce")] * 4 + [("0", "all_reduce")], Place.WAITING, "all_reduce"),
+        _rank(1, {"0": (world, 5, 4), "q": ("0-1", 4, 4)}, [("0", "all_reduce"), ("q", "all_reduce")] * 4 + [("0", "all_reduce")], Place.WAITING, "all_reduce"),
+        _rank(2, {"0": (world, 4, 4), "p": ("2-3", 4, 3)}, step * 4, Place.WAITING, "all_reduce"),
+        _rank(3, {"0": (world, 4, 4), "p": ("2-3", 3, 3)}, step * 3 + [("0", "all_reduce")]),
+    ]  # fmt: skip
+    blamed, why = culprits(f)
+    assert blamed == [3] and why.rule is Rule.OUTSIDE, (blamed, why)
+
+
+def test_calls_in_another_order_across_two_groups_name_the_odd_rank():
+    """DDP on a second all-ranks group, the loss on the default one; rank 1 has a batch fewer
+    and waits in the default group's barrier while ranks 0 and 2 wait in DDP's all-reduce."""
+    ddp, loss = ("1", "all_reduce"), ("0", "all_reduce")
+    f = [
+        _rank(0, {"0": ("0-2", 5, 5), "1": ("0-2", 6, 5)}, [ddp, loss] * 5 + [ddp], Place.RUNNING),
+        _rank(1, {"0": ("0-2", 6, 5), "1": ("0-2", 5, 5)}, [ddp, loss] * 5 + [("0", "barrier")], Place.WAITING, "barrier"),
+        _rank(2, {"0": ("0-2", 5, 5), "1": ("0-2", 6, 5)}, [ddp, loss] * 5 + [ddp], Place.RUNNING),
+    ]  # fmt: skip
+    blamed, why = culprits(f)
+    assert blamed == [1] and why.rule is Rule.RECORD_MISMATCH, (blamed, why)
+
+
+def test_a_running_rank_that_made_every_call_is_not_outside():
+    """One node's view: both local DDP ranks made all_reduce #11, which broke under them when
+    the other node stopped (counted completed); one stack shows a collective frame, the other
+    autograd. Nobody here is the cause."""
+    groups = {"0": ("0-3", 11, 11)}
+    calls = [("0", "all_reduce")] * 11
+    f = [_rank(0, groups, calls, Place.RUNNING), _rank(1, groups, calls, Place.WAITING, "all_reduce")]
+    blamed, why = culprits(f)
+    assert blamed == [] and why.rule is Rule.NONE, (blamed, why)
