@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -74,6 +75,8 @@ class Recorder:
         self.path = path
         self.interval = interval
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._destroy_wrapped = False
         self._last = b""
         self._names: dict[str, str] = {}  # group name -> its member ranks ("0-3")
         self._live: list[tuple[weakref.ref, str]] = []  # the groups at the last look
@@ -111,10 +114,15 @@ class Recorder:
     def write_once(self) -> bool:
         """Write the record when the ring changed; True when written. Never raises: a record
         that cannot be made or written is skipped (the worker must not notice)."""
+        with self._lock:  # the recorder's thread, and the script's in destroy_process_group
+            return self._write_once()
+
+    def _write_once(self) -> bool:
         try:
             dist = sys.modules.get("torch.distributed")
             if dist is None or not dist.is_available() or not dist.is_initialized():
                 return False
+            self._watch_destroy(dist)
             nccl = self._reads_nccl(dist)
             dump = self._torch.flight_recorder_dump(nccl=nccl)
             if dump == self._last:
@@ -218,6 +226,37 @@ class Recorder:
         if at:
             self._sites[newest] = at
         return bool(at)
+
+    def _watch_destroy(self, dist) -> None:
+        """Write the record once more just before the script destroys its process groups.
+
+        From ``destroy_process_group`` on, the group's calls end (`_group_ranks`) and a
+        worker with no group left writes nothing, so without this its file would stop up to
+        `INTERVAL_S` before its last calls: a rank that finished cleanly would look calls
+        behind the others (a false desync, a wrong "last call" in a report). So the first
+        look that sees ``torch.distributed`` initialized wraps its ``destroy_process_group``
+        (the module's name and ``distributed_c10d``'s, which scripts and torch call): the
+        wrapper writes the record, then calls torch's function with the same arguments and
+        returns what it returns. A name the script bound before that look
+        (``from torch.distributed import destroy_process_group``) keeps torch's function."""
+        if self._destroy_wrapped:
+            return
+        self._destroy_wrapped = True
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        original = getattr(dist, "destroy_process_group", None)
+        if original is None or getattr(original, "_meshrun_record", False):
+            return
+        recorder = self
+
+        def destroy_process_group(*args, **kwargs):
+            recorder.write_once()
+            return original(*args, **kwargs)
+
+        functools.update_wrapper(destroy_process_group, original)
+        destroy_process_group._meshrun_record = True
+        dist.destroy_process_group = destroy_process_group
+        if c10d is not None and getattr(c10d, "destroy_process_group", None) is original:
+            c10d.destroy_process_group = destroy_process_group
 
     def _touch(self) -> None:
         """Mark the unchanged record as current (its mtime): the agent waits for that before it

@@ -511,10 +511,9 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
                 f"  rank {f.global_rank} ({_where(f)}, pid {f.pid}): {f.describe_exit()}"
                 f" at +{delta} ms{note}{log}"
             )
-    # under --desync-check its own line (the root cause's message) names the call; the
-    # published summaries keep only each rank's last calls, which may not hold that call
-    checked = any(f.source == "desync" for f in failures)
-    found = None if checked else disagreement(failures)
+    # the record's line, also under --desync-check (whose own line, the root cause's message,
+    # names the first mismatched call: the summaries keep only each rank's last calls)
+    found = disagreement(failures)
     if found is not None and found.line:
         lines.append(f"Collectives: {found.line}")
     desync = desync_report(failures)
