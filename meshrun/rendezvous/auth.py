@@ -297,6 +297,10 @@ class AuthenticatedStore(Store):
         return self if inner is self.inner else AuthenticatedStore(inner, self._secret,
                                                                    self._run_id.decode())
 
+    @property
+    def interrupts(self) -> bool:  # type: ignore[override]
+        return self.inner.interrupts
+
     def interrupt(self) -> None:
         self.inner.interrupt()
 

@@ -432,6 +432,8 @@ class TCPStoreBackend(Store):
         # Its own connection: a blocked wait holds the one it is sent on.
         return TCPStoreBackend(self.host, self.port, is_host=False, timeout=self.timeout)
 
+    interrupts = True
+
     def interrupt(self) -> None:
         """Shut this client's connection down, so a wait blocked on it raises at once (a
         thread left inside TCPStore's C++ at interpreter exit could abort the process)."""

@@ -196,6 +196,10 @@ class Store(abc.ABC):
         """
         return self
 
+    #: Whether `interrupt` ends a wait blocked on another thread at once (a `KeyWatch` then
+    #: waits for its thread at `close`; otherwise it leaves the daemon thread to its timeout).
+    interrupts: bool = False
+
     def interrupt(self) -> None:  # noqa: B027 - optional
         """Make a `wait_for_change` blocked in this store on another thread return soon (it
         may raise `StoreLostError`); this store is closed afterwards. A store whose waits end
@@ -298,7 +302,12 @@ class KeyWatch:
         if own:
             store.interrupt()
         if self._thread.is_alive():
-            self._thread.join(timeout=2.0)
+            # a wait that interrupt() ends (TCPStore: a thread left in its C++ at exit could
+            # abort the process), or whose piece is short, is waited for; an etcd watch's HTTP
+            # read is not interrupted, and its daemon thread, in Python, ends with its piece or
+            # the process (a 2 s join here made an agent on etcd take 2-4 s to exit on SIGTERM)
+            ends_soon = (own and store.interrupts) or self._piece < 2.0
+            self._thread.join(timeout=2.0 if ends_soon else 0.05)
         if own:
             store.close()
 
