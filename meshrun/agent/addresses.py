@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import NamedTuple
 
 from meshrun.agent.config import LaunchConfig
 from meshrun.agent.say import say
@@ -68,45 +69,53 @@ def note_loopback_store(endpoint: str, store) -> None:
         )
 
 
-def users_master(config: LaunchConfig) -> tuple[str, int] | None:
-    """``(--master-addr, --master-port)`` when the workers' store is to be the user's: a
-    one-node static job given ``--master-port P`` (or ``PET_MASTER_PORT``, P > 0). torchrun's
-    static rendezvous hosts a TCPStore on P then and passes ``--master-addr`` and P through
-    (``StaticTCPRendezvous``), so a script's ``init_method="tcp://localhost:P"`` meets there;
-    meshrun's workers' store listens on P for it. None otherwise (and with ``--rdzv-conf
-    workers_port=N``, which names the store's port itself): the OS picks the port, and
-    MASTER_ADDR is the address node rank 0 advertises. A static job of several nodes keeps
-    its rendezvous store on P, so its workers' store cannot be there too."""
+def users_master(config: LaunchConfig, settings: RendezvousSettings) -> UsersMaster | None:
+    """Where the workers' store goes when it is to be the user's: a one-node static job given
+    ``--master-port P`` (or ``PET_MASTER_PORT``, P > 0). torchrun's static rendezvous hosts a
+    TCPStore on P then and passes ``--master-addr`` and P through (``StaticTCPRendezvous``),
+    so a script's ``init_method="tcp://localhost:P"`` meets there; meshrun's workers' store
+    listens on P for it, on the address of this host that ``--master-addr`` names (every
+    interface with ``--rdzv-conf bind_all=true``), and MASTER_ADDR is the name as given
+    (``localhost`` stays ``localhost``). A ``--master-addr`` that is no address of this host
+    (a name only a cluster's DNS resolves to another address) keeps the job running as before:
+    127.0.0.1 for both, with a note. None otherwise (and with ``--rdzv-conf workers_port=N``,
+    which names the store's port itself): the OS picks the port, and MASTER_ADDR is the
+    address node rank 0 advertises. A static job of several nodes keeps its rendezvous store
+    on P, so its workers' store cannot be there too."""
     c = config
     if c.rdzv_backend != "static" or c.max_nodes != 1 or c.standalone or not c.master_port:
         return None
     if "workers_port" in c.rdzv_conf:
         return None
-    return c.master_addr, c.master_port
+    if settings.bind_all:
+        return UsersMaster(c.master_addr, "", c.master_port)
+    bind = bind_address(c.master_addr)
+    if bind is None:
+        say(f"note: --master-addr {c.master_addr} is not an address of this host; the workers' "
+            f"store listens on 127.0.0.1 port {c.master_port} (--master-port), and the workers "
+            "get MASTER_ADDR=127.0.0.1")  # fmt: skip
+        return UsersMaster("127.0.0.1", "127.0.0.1", c.master_port)
+    return UsersMaster(c.master_addr, bind, c.master_port)
+
+
+class UsersMaster(NamedTuple):
+    """The workers' store on the user's ``--master-port`` (`users_master`): the MASTER_ADDR
+    the workers get, the address it listens on ("" for every interface), the port."""
+
+    master_addr: str
+    bind: str
+    port: int
 
 
 def bootstrap_bind(config: LaunchConfig, settings: RendezvousSettings, advertised: str) -> str:
     """The address the workers' store listens on when this node hosts it: the one it
     advertises as MASTER_ADDR (resolved here when a name), never the wildcard unless
-    ``--rdzv-conf bind_all=true`` asks (""); 127.0.0.1 for a single-node job, or the address
-    of this host that ``--master-addr`` names when the store is the user's (`users_master`).
+    ``--rdzv-conf bind_all=true`` asks (""); 127.0.0.1 for a single-node job (`users_master`
+    says where a one-node job given ``--master-port`` listens).
 
     Raises:
-        ConfigError: the advertised address (``--local-addr``), or ``--master-addr`` when the
-            store is the user's, is no address of this host.
+        ConfigError: the advertised address (``--local-addr``) is no address of this host.
     """
-    if (users := users_master(config)) is not None:
-        if settings.bind_all:
-            return ""
-        addr = bind_address(users[0])
-        if addr is None:
-            raise ConfigError(
-                f"--master-addr {users[0]} is not an address of this host, and a one-node job "
-                f"hosts the workers' store (--master-port {users[1]}) there; give an address "
-                "of this host (the default 127.0.0.1 will do), or --rdzv-conf bind_all=true "
-                "to listen on every interface"
-            )
-        return addr
     if config.max_nodes == 1:
         return "127.0.0.1"
     if settings.bind_all:

@@ -121,6 +121,7 @@ class Agent:
         self._log_root: Path | None = None
         self._temp_logs = False
         self._subreaper = False
+        self._users_master: addresses.UsersMaster | None = None  # set before the first round
 
     def _emit(self, kind: str, **fields) -> None:
         self._events.emit(kind, **fields)
@@ -222,10 +223,12 @@ class Agent:
                 nproc=self.config.nproc_per_node,
                 node_rank_hint=self.config.node_rank,
             )
-            users = addresses.users_master(self.config)  # --master-port P on one node
+            # --master-port P on one node: the workers' store on P (`addresses.users_master`)
+            self._users_master = users = addresses.users_master(self.config, self.settings)
+            bind = addresses.bootstrap_bind(self.config, self.settings, me.addr)
             bootstrap = BootstrapStore(
-                addresses.bootstrap_bind(self.config, self.settings, me.addr),
-                port=workers_port(self.settings) or (users[1] if users else 0),
+                users.bind if users else bind,
+                port=workers_port(self.settings) or (users.port if users else 0),
             )
             rdzv = Rendezvous(
                 store, self.settings, me, host_bootstrap=lambda: self._open(bootstrap, me)
@@ -268,14 +271,14 @@ class Agent:
         node advertises, or ``--master-addr`` as given (``localhost`` stays ``localhost``) when
         the store is on the user's ``--master-port`` (`addresses.users_master`)."""
         bootstrap.close()
-        users = addresses.users_master(self.config)
-        addr = users[0] if users else me.addr
+        users = self._users_master
+        addr = users.master_addr if users else me.addr
         try:
             return addr, bootstrap.open()
         except OSError as e:  # a --rdzv-conf workers_port=N or --master-port P already taken
             fixed = workers_port(self.settings)
             option = "--rdzv-conf workers_port" if fixed else "--master-port"
-            fixed = fixed or (users[1] if users else 0)
+            fixed = fixed or (users.port if users else 0)
             hint = f" (is {option} {fixed} already in use?)" if fixed else ""
             raise RendezvousError(
                 f"cannot host the workers' store on {addr} port {fixed or 'a free port'}: "

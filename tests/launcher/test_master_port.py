@@ -76,6 +76,20 @@ def test_pet_master_port_and_default_master_addr(launch):
     assert {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in records} == {("127.0.0.1", str(port))}
 
 
+def test_master_addr_of_another_host_keeps_the_job_running(launch):
+    """A --master-addr that is no address of this host (a name only a cluster's DNS knows, here
+    TEST-NET-1's 192.0.2.1) on one node: the store listens on 127.0.0.1:P, the workers get
+    MASTER_ADDR=127.0.0.1, and one note says so; the job runs as it did before P was honoured."""
+    port, out = launch.free_port(), launch.cwd / "records.jsonl"
+    code, _, err = _run(launch, LAUNCHERS["meshrun"], [
+        "--nproc-per-node", "2", "--master-addr", "192.0.2.1", "--master-port", str(port),
+        SCRIPT, "127.0.0.1", str(port), str(out)])  # fmt: skip
+    assert code == 0, err
+    assert {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in _records(out)} == {("127.0.0.1", str(port))}
+    notes = [line for line in err.splitlines() if "192.0.2.1 is not an address of this host" in line]
+    assert len(notes) == 1, err
+
+
 def test_master_port_in_use_is_one_line_and_exit_3(launch):
     """A --master-port another process holds: nothing runs, one line names the port and the
     option, exit 3 (a store that cannot be hosted), within seconds."""
