@@ -97,9 +97,15 @@ class Call:
     @property
     def kind(self) -> tuple[str, str]:
         """What every rank must agree on for this call: the op, and the arguments' shapes and
-        dtypes for ops that need them equal on every rank (``SAME_ARGS``)."""
-        return (self.op, self.args if self.op in SAME_ARGS else "")
+        dtypes for ops that need them equal on every rank (``SAME_ARGS``), else their dtypes
+        (an uneven ``all_gather`` or the root's list in ``scatter`` differ in shapes, never
+        in dtypes: an int32 gathered where the others gather float32 is garbage on gloo)."""
+        if self.op in SAME_ARGS:
+            return (self.op, self.args)
+        return (self.op, ",".join(sorted(set(_DTYPE.findall(self.args)))))
 
+
+_DTYPE = re.compile(r"([A-Za-z0-9_]+)\[")
 
 #: Ops whose arguments have the same shapes and dtypes on every rank (as torch's flight
 #: recorder writes them). Others may differ by design: the root's list in ``scatter`` and

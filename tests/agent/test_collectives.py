@@ -399,3 +399,16 @@ def test_a_worker_without_the_torch_door_runs_on_unrecorded(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "None ran on", done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshrun: the collective record is off"), lines
+
+
+def test_an_all_gather_of_another_dtype_is_a_mismatch_and_uneven_shapes_are_not():
+    """Found by a breaker: rank 1 all-gathers int32 where rank 0 gathers float32 of the same
+    bytes; gloo returns garbage and nothing failed. Shapes of an all_gather may differ (lists,
+    NCCL's uneven gathers), dtypes never do."""
+    same_bytes = {0: _record([AR, ("all_gather", "float[4]")]),
+                  1: _record([AR, ("all_gather", "int[4]")])}  # fmt: skip
+    found = first_disagreement(same_bytes)
+    assert found is not None and "all_gather #2" in found.line, found
+    uneven = {0: _record([AR, ("all_gather", "float[4]")]),
+              1: _record([AR, ("all_gather", "float[6]")])}  # fmt: skip
+    assert first_disagreement(uneven) is None
