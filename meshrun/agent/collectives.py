@@ -93,6 +93,8 @@ class Call:
     args: str
     done: bool
     at: str = ""
+    #: when the rank issued it, ms since the epoch on its host's clock (0: unknown)
+    issued_ms: int = 0
 
     @property
     def kind(self) -> tuple[str, str]:
@@ -171,7 +173,7 @@ def summary(record: Record | None) -> dict:
     return {
         "groups": {n: {"ranks": ranges(g.ranks), "issued": g.issued, "done": g.done,
                        "backend": g.backend} for n, g in record.groups.items()},
-        "calls": [[c.group, c.seq, c.op, c.args, c.at] for c in calls],
+        "calls": [[c.group, c.seq, c.op, c.args, c.at, c.issued_ms] for c in calls],
     }  # fmt: skip
 
 
@@ -181,7 +183,8 @@ def from_summary(data: object) -> Record | None:
         return None
     try:
         calls = [{"group": c[0], "seq": c[1], "op": c[2], "args": c[3],
-                  "at": c[4] if len(c) > 4 else ""} for c in data["calls"]]  # fmt: skip
+                  "at": c[4] if len(c) > 4 else "", "issued_ms": c[5] if len(c) > 5 else 0}
+                 for c in data["calls"]]  # fmt: skip
         return _parse({"groups": data["groups"], "calls": calls})
     except (ValueError, TypeError, KeyError, AttributeError, IndexError):
         return None
@@ -197,7 +200,8 @@ def _parse(raw: dict) -> Record:
     for c in raw["calls"]:
         name, seq = str(c["group"]), int(c["seq"])
         done = name in groups and seq <= groups[name].done
-        calls.append(Call(name, seq, str(c["op"]), str(c["args"]), done, str(c.get("at") or "")))
+        calls.append(Call(name, seq, str(c["op"]), str(c["args"]), done, str(c.get("at") or ""),
+                          int(c.get("issued_ms") or 0)))
     return Record(groups, tuple(calls))
 
 

@@ -310,7 +310,13 @@ def _one_per_rank(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
     return [f for f in failures if kept.get(f.global_rank) is f]
 
 
-def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
+#: Seconds without a new call on any rank before a live snapshot (``meshrun stacks``) names a
+#: likely cause: the ranks' records are read at different moments, so a job that runs shows
+#: ranks a few calls apart.
+LIVE_SETTLE_S = 2.0
+
+
+def culprits(failures: Iterable[WorkerFailure], *, live: bool = False) -> Verdict:
     """The global ranks that most likely caused the failure, and why, decided from data in
     this order (docs/hangs.md):
 
@@ -326,12 +332,21 @@ def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
 
     The record comes first because it is the same data on every rank and on every backend: a
     stack shows only where the Python thread is (the wrong place under DDP, FSDP2 and NCCL).
+
+    ``live``: the records are a snapshot of a job that may still run (``meshrun stacks``): a
+    rank that issued a call within `LIVE_SETTLE_S` of its snapshot shows the job moving, and
+    then nobody is named (a mismatch still is: it never heals).
     """
+    from meshrun.agent.collectives import from_summary
     from meshrun.agent.stacks import classify, traceback_frames
 
-    from meshrun.agent.collectives import from_summary
-
     failures = placed(failures)
+    if live and _moving(failures):
+        found = disagreement(failures)
+        if found is None or found.behind or not found.culprits:
+            return Verdict([], Why(f"the ranks made calls within the last {LIVE_SETTLE_S:g} s: "
+                                   "the job is moving (a live snapshot names no cause)",
+                                   Rule.NONE))  # fmt: skip
     desync = sorted({f.global_rank for f in failures if f.source == "desync" and not f.stopped})
     if desync:  # --desync-check compared every call as it came (the summaries keep the last few)
         return Verdict(desync, Why("named by --desync-check", Rule.RECORD_MISMATCH))
@@ -381,6 +396,19 @@ def culprits(failures: Iterable[WorkerFailure]) -> Verdict:
         return Verdict(kept, verdict.why)
     return Verdict([], Why("the ranks running here made every call the waiting ranks made: "
                            "the culprit is elsewhere (another node?)", Rule.NONE))
+
+
+def _moving(failures: list[WorkerFailure]) -> bool:
+    """Whether some rank's newest recorded call was issued within `LIVE_SETTLE_S` of the moment
+    its place was taken (its record's ``timestamp_ms``)."""
+    from meshrun.agent.collectives import from_summary
+
+    for f in failures:
+        record = from_summary(f.calls)
+        newest = max((c.issued_ms for c in record.calls), default=0) if record else 0
+        if newest and f.timestamp_ms - newest < LIVE_SETTLE_S * 1000:
+            return True
+    return False
 
 
 def _behind_of(mine, theirs) -> bool:

@@ -226,14 +226,14 @@ def _print(title: str, records: list, silent: list[str], timeout: float) -> None
     from meshrun.agent.errors import culprits, disagreement, format_places, placed
 
     records = placed(sorted(records, key=lambda f: f.global_rank))
-    blamed, why = culprits(records)
+    blamed, why = culprits(records, live=True)
     found = disagreement(records)
     click.echo(f"{title}: {len(records)} rank(s), stacks taken at {time.strftime('%H:%M:%S')}")
     if blamed:
         click.echo(f"likely cause: rank {', '.join(map(str, blamed))} ({why})")
-    elif why and found is None:
+    elif why and (found is None or found.behind):
         click.echo(f"note: {why}")
-    if found is not None:
+    if found is not None and (blamed or not found.behind):  # a moving job's offsets are skew
         click.echo(f"collectives: {found.line}")
     for line in format_places(records, blamed):
         click.echo(line)

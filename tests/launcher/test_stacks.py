@@ -30,7 +30,9 @@ def _wait_ready(ready: Path, n: int, procs) -> None:
     while not (ready.exists() and len(ready.read_text().split()) == n):
         assert time.monotonic() < deadline, [p.poll() for p in procs]
         time.sleep(0.1)
-    time.sleep(0.5)  # into read_batch / the barrier
+    # into read_batch / the barrier, and past LIVE_SETTLE_S: a snapshot of ranks that made a
+    # call within it names no cause (the job may be moving)
+    time.sleep(2.5)
 
 
 def _check(out: str) -> None:
@@ -110,3 +112,24 @@ def test_stacks_bad_input_is_one_line_exit_2(tmp_path):
                               env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode == 2, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
+
+
+def test_a_job_that_is_moving_gets_no_likely_cause(tmp_path):
+    """Found by a breaker: the ranks' records are read at different moments, so a healthy job
+    showed ranks a few all_reduces apart and a LIKELY CAUSE on every call. A snapshot of ranks
+    that made a call within LIVE_SETTLE_S names nobody and says the job is moving."""
+    stop, ready, logs = tmp_path / "stop", tmp_path / "ready", tmp_path / "logs"
+    script = Path(__file__).parent / "scripts" / "busy_loop.py"
+    procs = [_meshrun("--nproc-per-node", "3", "--log-dir", str(logs), str(script), str(stop),
+                      str(ready), cwd=tmp_path)]  # fmt: skip
+    try:
+        _wait_ready(ready, 3, procs)
+        for _ in range(3):
+            done = subprocess.run([sys.executable, "-m", "meshrun", "stacks", str(logs)],
+                                  env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            assert "3 rank(s)" in done.stdout, done.stdout
+            assert "likely cause" not in done.stdout and "LIKELY CAUSE" not in done.stdout, done.stdout
+            assert "the job is moving" in done.stdout, done.stdout
+    finally:
+        _finish(procs, stop)
