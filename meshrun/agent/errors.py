@@ -513,7 +513,8 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
             "stack": "stack when hung (faulthandler / py-spy)",
         }.get(first.source, "traceback")
         lines.append(f"  {what}:")
-        lines.extend("    " + line for line in first.traceback.rstrip("\n").splitlines())
+        text = _without_meshrun_threads(first.traceback) if first.source == "stack" else first.traceback
+        lines.extend("    " + line for line in text.rstrip("\n").splitlines())
     elif first.source != "desync":  # the desync line above is the whole story
         lines.append(
             "  traceback  : none (no error file: decorate main with torch's "
@@ -558,6 +559,24 @@ def format_report(failures: Sequence[WorkerFailure], *, title: str = "meshrun: j
                      "cause above is only the first to fail)")
     lines.append(rule)
     return "\n".join(lines)
+
+
+#: Frames that mark one of meshrun's own threads in a worker (the collective record's, a busy()
+#: beat, a background checkpoint save): left out of the report's stack, kept in the stack file.
+_MESHRUN_THREADS = ("meshrun/agent/collective_record.py", "meshrun-collective-record",
+                    "meshrun-busy", "meshrun-checkpoint", "meshrun-elastic")  # fmt: skip
+
+
+def _without_meshrun_threads(dump: str) -> str:
+    """A faulthandler or py-spy dump less the blocks of meshrun's own threads: a thread block
+    starts at a "Thread ..." / "Current thread ..." line and runs to the next."""
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread ", "Current thread ")) or not blocks:
+            blocks.append([])
+        blocks[-1].append(line)
+    kept = [b for b in blocks if not any(mark in line for line in b for mark in _MESHRUN_THREADS)]
+    return "\n".join(line for b in kept for line in b)
 
 
 def _exit_hint(f: WorkerFailure) -> str | None:

@@ -190,3 +190,22 @@ def test_a_rank_published_by_two_nodes_is_reported_once_as_its_failure():
         assert report.count("rank 3 (") == 0 and "  rank       : 3 (local rank 1)" in report, report
         assert "exit       : stopped by the agent: a desync (--desync-check), exit status 1" in report
         assert "decorate main" not in report, report
+
+
+def test_the_reports_stack_leaves_out_meshruns_own_threads():
+    """The collective record's thread is in every worker's dump; the report's stack shows the
+    script's threads only (the stack file keeps everything)."""
+    from meshrun.agent.errors import WorkerFailure, format_report
+
+    dump = ('Current thread 0x1 "MainThread" (most recent call first):\n'
+            '  File "/job/train.py", line 24 in <module>\n'
+            "Thread 0x2 (most recent call first):\n"
+            '  File "/usr/lib/python3.11/threading.py", line 331 in wait\n'
+            '  File "/site/meshrun/agent/collective_record.py", line 111 in _run\n'
+            "Thread 0x3 (most recent call first):\n"
+            '  File "/job/loader.py", line 5 in run\n')  # fmt: skip
+    hung = WorkerFailure(0, 0, 10, 124, 1000, traceback=dump, source="stack", state="running",
+                         at="/job/train.py:24 in <module>")  # fmt: skip
+    report = format_report([hung])
+    assert "train.py\", line 24" in report and "loader.py" in report, report
+    assert "collective_record.py" not in report and "Thread 0x2" not in report, report
