@@ -183,7 +183,7 @@ def test_two_nodes_a_reordered_call_on_the_other_node_is_named_through_the_store
     import subprocess
     import time
 
-    from conftest import free_port, meshrun_env
+    from support import free_port, meshrun_env
 
     port = free_port()
     logs = tmp_path / "logs"
