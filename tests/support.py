@@ -71,3 +71,35 @@ def meshrun_env(**extra: str) -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
+
+
+def two_c10d_agents(cwd: Path, rdzv_id: str, args: list[str], *, nproc: int = 1,
+                    timeout: float = 100) -> list[tuple[int, str, str]]:  # fmt: skip
+    """Run two meshrun agents of one job on 127.0.0.1 (c10d, node rank 0 first: it hosts the
+    store) to their end; ``args`` follow the rendezvous options (the rest of the command line,
+    script included). Returns each agent's (exit code, stdout, stderr); both are killed if
+    one outlives ``timeout`` seconds."""
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    common = [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", str(nproc),
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", rdzv_id, "--rdzv-conf", "last_call_timeout=0.5,join_timeout=30"]  # fmt: skip
+    procs = []
+    try:
+        for n in range(2):
+            procs.append(subprocess.Popen(
+                [*common, *args], env=meshrun_env(), cwd=cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))  # fmt: skip
+            if n == 0:
+                time.sleep(1.0)  # node rank 0 hosts the store
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]

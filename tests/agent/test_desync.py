@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -180,38 +179,18 @@ def test_two_nodes_a_reordered_call_on_the_other_node_is_named_through_the_store
     """2 nodes x 2 ranks (c10d): rank 3, on node rank 1, reorders its calls. Node rank 0 reads
     node 1's digest from the store, names rank 3 within 5 s, and every node's report has rank
     3 as the root cause with the line."""
-    import subprocess
-    import time
+    from support import two_c10d_agents
 
-    from support import free_port, meshrun_env
-
-    port = free_port()
     logs = tmp_path / "logs"
-    procs = []
-    try:
-        for n in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", "2",
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", "desync", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=30",
-                 "--shutdown-timeout", "2", "--log-dir", str(logs), "--desync-check",
-                 str(SCRIPT), "reorder", "60"],
-                env=meshrun_env(), cwd=tmp_path, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))  # fmt: skip
-            if n == 0:
-                time.sleep(1.0)  # node rank 0 hosts the store
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    agents = two_c10d_agents(tmp_path, "desync", ["--shutdown-timeout", "2", "--log-dir",
+                                                  str(logs), "--desync-check", str(SCRIPT),
+                                                  "reorder", "60"], nproc=2, timeout=120)  # fmt: skip
+    outs = [(out, err) for _, out, err in agents]
     line = ("desync in group 0 at call #5: rank 3 called barrier(), ranks 0-2 called "
             "all_reduce(float[1024])")
     assert _said(outs[0][1]) == line, outs[0][1]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 1, err
+    for code, _, err in agents:
+        assert code == 1, err
         report = err[err.index("Root cause") :]
         assert "  rank       : 3 (local rank 1)" in report, report
         assert "  host       : " in report and "(node rank 1)" in report, report

@@ -8,13 +8,11 @@ function, and any rank waiting in a collective as waiting; one node and two.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from support import free_port, meshrun_env
+from support import two_c10d_agents
 
 from meshrun.agent.errors import WorkerFailure, culprits, format_report, root_cause
 from meshrun.agent.stacks import classify, main_thread, traceback_frames
@@ -139,29 +137,11 @@ def test_a_stack_not_taken_in_time_is_one_line_and_never_delays_the_stop(launch)
 
 @pytest.mark.timeout(120)
 def test_two_nodes_every_node_reports_the_other_nodes_stopped_rank(tmp_path):
-    port = free_port()
-    procs = []
-    try:
-        for n in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", "1",
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", "stopped", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=30",
-                 "--monitor-interval", "0.1", "--shutdown-timeout", "2", str(READER)],
-                env=meshrun_env(), cwd=tmp_path, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))  # fmt: skip
-            if n == 0:
-                time.sleep(1.0)  # node rank 0 hosts the store
-        outs = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    agents = two_c10d_agents(tmp_path, "stopped", ["--monitor-interval", "0.1",
+                                                   "--shutdown-timeout", "2", str(READER)])  # fmt: skip
     reader = _line_of(READER, "time.sleep(120)")
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 1, err
+    for code, _, err in agents:
+        assert code == 1, err
         report = err[err.index("Root cause") :]
         assert "  rank       : 1 (local rank 0)" in report, report
         assert re.search(
@@ -215,33 +195,16 @@ def test_two_nodes_file_every_rank_the_same_way(tmp_path, failing):
     """One rank fails while its peers on both nodes wait in a barrier that then breaks under
     them. Every node's report lists every rank in the same section with the same place (the
     store's record, which every node reads), whichever node the failure was on."""
-    port = free_port()
-    script = SCRIPTS / "fail_in_step.py"
-    procs = []
-    try:
-        for n in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "meshrun", "--nnodes", "2", "--nproc-per-node", "2",
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", "filing", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=30",
-                 "--monitor-interval", "0.1", "--shutdown-timeout", "2", "--max-restarts", "0",
-                 str(script), str(failing)],
-                env=meshrun_env(), cwd=tmp_path, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))  # fmt: skip
-            if n == 0:
-                time.sleep(1.0)  # node rank 0 hosts the store
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    agents = two_c10d_agents(
+        tmp_path, "filing", ["--monitor-interval", "0.1", "--shutdown-timeout", "2",
+                             "--max-restarts", "0", str(SCRIPTS / "fail_in_step.py"), str(failing)],
+        nproc=2, timeout=120,
+    )  # fmt: skip
     filings = []
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 7, err
+    for code, _, err in agents:
+        assert code == 7, err
         report = err[err.index("Root cause") :]
         assert f"  rank       : {failing} (" in report, report
         filings.append(_filing(report))
-    assert set(filings[0]) == {0, 1, 2, 3} - {failing}, outs[0][1]
-    assert filings[0] == filings[1], (outs[0][1], outs[1][1])
+    assert set(filings[0]) == {0, 1, 2, 3} - {failing}, agents[0][2]
+    assert filings[0] == filings[1], (agents[0][2], agents[1][2])
