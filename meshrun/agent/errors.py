@@ -391,7 +391,7 @@ def culprits(failures: Iterable[WorkerFailure], *, live: bool = False) -> Verdic
     records = {f.global_rank: r for f in failures if (r := from_summary(f.calls)) is not None}
     waiting = [r for r, (w, _) in places.items() if w.state == Place.WAITING and r in records]
     kept = [r for r in verdict.ranks if r not in records or not waiting
-            or any(_behind_of(records[r], records[w]) for w in waiting)]  # fmt: skip
+            or any(_behind_of(r, records[r], records[w]) for w in waiting)]  # fmt: skip
     if kept:
         return Verdict(kept, verdict.why)
     return Verdict([], Why("the ranks running here made every call the waiting ranks made: "
@@ -411,10 +411,11 @@ def _moving(failures: list[WorkerFailure]) -> bool:
     return False
 
 
-def _behind_of(mine, theirs) -> bool:
-    """Whether record ``mine`` issued fewer calls than ``theirs`` in a group both are in."""
-    return any(g.issued < theirs.groups[name].issued
-               for name, g in mine.groups.items() if name in theirs.groups)  # fmt: skip
+def _behind_of(rank: int, mine, theirs) -> bool:
+    """Whether ``rank`` (record ``mine``) issued fewer calls than record ``theirs`` in a group
+    of ``theirs`` it is a member of (a group it never called counts as none issued)."""
+    return any(g.issued > (mine.groups[name].issued if name in mine.groups else 0)
+               for name, g in theirs.groups.items() if rank in g.ranks)  # fmt: skip
 
 
 def disagreement(failures: Iterable[WorkerFailure]):
