@@ -23,6 +23,7 @@ The worker's side (what is recorded, and how) is `meshrun.agent.collective_recor
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -192,7 +193,7 @@ def from_summary(data: object) -> Record | None:
 
 def _parse(raw: dict) -> Record:
     groups = {
-        str(name): Group(tuple(parse_ranges(str(g["ranks"]))), int(g["issued"]), int(g["done"]),
+        str(name): Group(_members(str(g["ranks"])), int(g["issued"]), int(g["done"]),
                          str(g.get("backend", "")))
         for name, g in raw["groups"].items()
     }  # fmt: skip
@@ -205,10 +206,17 @@ def _parse(raw: dict) -> Record:
     return Record(groups, tuple(calls))
 
 
+@functools.lru_cache(maxsize=256)
+def _members(text: str) -> tuple[int, ...]:
+    """A group's member ranks from their `ranges` text: every rank's record of a group names the
+    same members, so a job's thousands of records parse each text once."""
+    return tuple(parse_ranges(text))
+
+
 def describe_recent(record: Record | None, n: int = 3, pending: Call | None = None) -> str:
     """A rank's last ``n`` calls in a few words: "all_reduce #39, broadcast #40 (in progress)",
     each call outside the default group "0" followed by its group; "" when none is recorded.
-    The call marked in progress is ``pending`` (`pending_call`: the record's evidence that it
+    The call marked in progress is ``pending`` (`pending_calls`: the record's evidence that it
     has not completed), not every call the ring left "scheduled"."""
     if record is None:
         return ""
@@ -220,9 +228,10 @@ def describe_recent(record: Record | None, n: int = 3, pending: Call | None = No
     return ", ".join(parts)
 
 
-def pending_call(rank: int, records: dict[int, Record]) -> Call | None:
-    """The collective ``rank`` waits in, in progress or queued, by its record and its peers',
-    or None when the records show none (a rank in its own code, or no record).
+def pending_calls(records: dict[int, Record]) -> dict[int, Call]:
+    """Each rank's collective it waits in, in progress or queued, by its record and its
+    peers'; ranks whose records show none (a rank in its own code) are left out. One pass over
+    the records per group, so a job of thousands of ranks is placed in linear time.
 
     Call n of a group is pending on a rank that issued it when the record proves that it
     cannot have completed: the backend tracks completion and has not marked it
@@ -233,9 +242,30 @@ def pending_call(rank: int, records: dict[int, Record]) -> Call | None:
     The rank's Python frame does not matter: DDP's reducer issues its all-reduces from
     autograd's threads while the main thread sits in ``backward``.
     """
-    mine = records.get(rank)
-    if mine is None:
-        return None
+    low: dict[str, int] = {}  # group -> the fewest calls a member with a record issued
+    for name in {n for rec in records.values() for n in rec.groups}:
+        members = next(rec.groups[name].ranks for rec in records.values() if name in rec.groups)
+        low[name] = min(records[m].groups[name].issued if name in records[m].groups else 0
+                        for m in set(members) if m in records)  # fmt: skip
+    kinds: dict[tuple[str, int], set[tuple[str, str]]] = {}
+    for rec in records.values():
+        for c in rec.calls:
+            kinds.setdefault((c.group, c.seq), set()).add(c.kind)
+    pending: dict[int, Call] = {}
+    for rank, mine in records.items():
+        for name in sorted(mine.groups, key=_group_order):
+            group = mine.groups[name]
+            n = group.issued
+            if n <= 0:
+                continue
+            call = mine.call(name, n) or Call(name, n, "a collective", "", False)
+            not_done = group.tracks_done and group.done < n
+            behind = low[name] < n  # a member has not issued call n yet
+            other = bool(kinds.get((name, n), set()) - {call.kind})  # another call as number n
+            if not_done or behind or other:
+                pending[rank] = call
+                break
+    return pending
     for name in sorted(mine.groups, key=_group_order):
         group = mine.groups[name]
         n = group.issued
@@ -304,31 +334,32 @@ def _waits(
     stuck in its own code is a link of the chain, not its cause. With no sink every waiting
     rank waits for another (the ranks made their calls in different orders across groups);
     then the ranks on the smaller side of every group's split are named."""
-    waits: dict[int, set[int]] = {}
+    waiting: set[int] = set()  # ranks with an edge out: they wait for somebody
+    waited: set[int] = set()  # ranks with an edge in
     splits: list[tuple[str, set[int], set[int]]] = []  # group, ahead, behind
-    for name in names:
-        members = {r: rec for r, rec in records.items() if name in rec.groups}
-        if not members:
-            continue
-        group_ranks = next(iter(members.values())).groups[name].ranks
+    for name in names:  # per group in one pass: r waits for the members below its call n
+        group_ranks = next((rec.groups[name].ranks for rec in records.values()
+                            if name in rec.groups), ())  # fmt: skip
         issued = {r: records[r].groups[name].issued if name in records[r].groups else 0
-                  for r in group_ranks if r in records}  # fmt: skip
-        ahead, behind = set(), set()
+                  for r in set(group_ranks) if r in records}  # fmt: skip
+        if not issued:
+            continue
+        low = min(issued.values())
+        ahead = set()
         for r, n in issued.items():
             g = records[r].groups.get(name)
-            if r in died or g is None or n <= 0 or not (g.done < n or r in sites):
+            if r in died or g is None or n <= low or not (g.done < n or r in sites):
                 continue
-            late = {m for m, k in issued.items() if k < n}
-            if late:
-                waits.setdefault(r, set()).update(late)
-                ahead.add(r)
-                behind |= late
+            ahead.add(r)
         if ahead:
+            front = max(issued[r] for r in ahead)
+            behind = {m for m, k in issued.items() if k < front}
+            waiting |= ahead
+            waited |= behind
             splits.append((name, ahead, behind))
-    if not waits:
+    if not waiting:
         return None
-    waited = set().union(*waits.values())
-    sinks = sorted(m for m in waited if not waits.get(m))
+    sinks = sorted(waited - waiting)
     if sinks:
         for name in names:  # the line: a group where the ranks behind are sinks
             found = _behind(name, records, sites, died)

@@ -265,7 +265,7 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
     """``failures`` with each hung or stopped rank's place decided from data: the collective
     record first, then the stack.
 
-    A rank whose record shows a collective pending (`meshrun.agent.collectives.pending_call`:
+    A rank whose record shows a collective pending (`meshrun.agent.collectives.pending_calls`:
     in progress or queued, which the record proves by a peer that has not issued it, a
     different call at its number, or the backend's own completion mark) is waiting in that call, wherever
     its Python frame is: under torch's DDP the main thread waits in autograd's
@@ -277,7 +277,7 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
     Idempotent: every caller (the hang line, the report, ``meshrun stacks``) places the same
     records the same way, on every node.
     """
-    from meshrun.agent.collectives import from_summary, pending_call
+    from meshrun.agent.collectives import from_summary, pending_calls
 
     failures = _one_per_rank(failures)
     records = {}
@@ -285,9 +285,10 @@ def placed(failures: Iterable[WorkerFailure]) -> list[WorkerFailure]:
         record = from_summary(f.calls)
         if record is not None:
             records.setdefault(f.global_rank, record)
+    pending = pending_calls(records)
     out = []
     for f in failures:
-        call = pending_call(f.global_rank, records) if f.stopped or f.source == "stack" else None
+        call = pending.get(f.global_rank) if f.stopped or f.source == "stack" else None
         if call is None:
             out.append(f)
             continue
@@ -605,13 +606,14 @@ def format_places(
     indent. ``among`` are the records the pending calls are judged over (all of the job's;
     default ``records``). Used by the failure report (stopped ranks) and by ``meshrun stacks``
     (every rank, live)."""
-    from meshrun.agent.collectives import from_summary, pending_call
+    from meshrun.agent.collectives import from_summary, pending_calls
 
     calls = {f.global_rank: r for f in (among or records)
              if (r := from_summary(f.calls)) is not None}  # fmt: skip
+    pending = pending_calls(calls)
     lines: list[str] = []
     for f in records:
-        lines.extend(_place_lines(f, f.global_rank in blamed, calls, pending_call(f.global_rank, calls)))
+        lines.extend(_place_lines(f, f.global_rank in blamed, calls, pending.get(f.global_rank)))
     return lines
 
 
